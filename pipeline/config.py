@@ -1,0 +1,178 @@
+"""Typed configuration: one pydantic model per stage, presets as TOML files.
+
+A run's config is `defaults <- preset file <- --set overrides`. Each stage declares the
+sections it reads; only those sections enter its cache key, so changing `train.lr`
+reruns training and evaluation but reuses the pool. Defaults are the paper's where the
+spec (../shared/spec/algorithms.md section 11) gives one; the tiny preset scales the
+geometry down for a 2-core CPU.
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TaskConfig(Section):
+    """The prompt set: a built-in task family, or a Parquet/JSONL file with problem, answer."""
+    name: str = "digit_sort"          # digit_sort | arithmetic | path to .parquet/.jsonl
+    difficulty: int = Field(1, ge=1, le=5)
+    n_train: int = Field(512, ge=1)
+    n_eval: int = Field(200, ge=1)
+    split_seed: int = 0               # fixes the data itself; independent of the run seed
+
+
+class ModelConfig(Section):
+    """The base policy pi_0: an HF folder / hub id, or the built-in tiny model (None)."""
+    name_or_path: str | None = None
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 512
+    init_seed: int = 0
+    # supervised warm-up of the tiny model: stop once sampled accuracy reaches the target
+    sft_lr: float = 3e-3
+    sft_batch_size: int = 128
+    sft_warmup: int = 50
+    sft_decay_steps: int = 800        # cosine horizon; warm-up usually stops well before it
+    sft_max_steps: int = 400
+    sft_check_every: int = 25
+    target_accuracy: float = 0.35     # sampled accuracy (T=1) at which warm-up stops
+    check_prompts: int = 64
+    check_samples: int = 4
+    threads: int = 1                  # torch threads; 1 is fastest and deterministic here
+
+
+class RolloutConfig(Section):
+    group_size: int = Field(8, ge=2)  # m
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(16, ge=1)
+    batch_prompts: int = Field(64, ge=1)
+    engine: Literal["transformers", "vllm"] = "transformers"
+
+
+class VerifyConfig(Section):
+    timeout_s: float = Field(2.0, gt=0)   # per response
+    workers: int = Field(0, ge=0)         # 0 = one per core
+
+
+class FilterConfig(Section):
+    keep: Literal["mixed"] = "mixed"      # 0 < successes < m (spec 8.2)
+
+
+class TrainConfig(Section):
+    method: Literal["grpo"] = "grpo"
+    updates: int = Field(400, ge=1)
+    groups_per_update: int = Field(32, ge=1)   # G_mb
+    updates_per_step: int = Field(8, ge=1)     # N
+    lr: float = Field(1e-6, gt=0)
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    beta: float = Field(0.01, ge=0)
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float = 3.0
+    eps_adv: float = 1e-6
+    aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    anchor: Literal["behavior", "old"] = "behavior"   # spec 13 item 4
+    t_ref: int | None = None                          # None = fixed reference (GRPO default)
+    micro_batch_groups: int = Field(8, ge=1)
+    checkpoint_every: int = Field(10, ge=1)
+    eval_every: int | None = None
+
+
+class EvalConfig(Section):
+    target: Literal["train", "base"] = "train"   # which model `ggpo stage evaluate` scores
+    n_samples: int = Field(8, ge=1)     # mean@n
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    batch_prompts: int = 64
+    limit: int | None = None
+
+
+class PipelineConfig(Section):
+    seed: int = 42
+    task: TaskConfig = TaskConfig()
+    model: ModelConfig = ModelConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    verify: VerifyConfig = VerifyConfig()
+    filter: FilterConfig = FilterConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+
+    def slice(self, fields: tuple[str, ...]) -> dict[str, Any]:
+        """The config fields a stage reads ("train" or "task.name"), as JSON-able data:
+        its cache-key part."""
+        dumped = self.model_dump(mode="json")
+        out: dict[str, Any] = {}
+        for dotted in fields:
+            src, dst, *_ = dumped, out
+            *parents, leaf = dotted.split(".")
+            for part in parents:
+                src, dst = src[part], dst.setdefault(part, {})
+            dst[leaf] = src[leaf]
+        return out
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
+
+
+def parse_value(raw: str) -> Any:
+    """`--set` values: JSON when it parses (1e-5, true, [1,2]), else a bare list or string."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        pass
+    if raw.startswith("[") and raw.endswith("]"):
+        return [parse_value(x.strip()) for x in raw[1:-1].split(",") if x.strip()]
+    return raw
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: '{part}' is not a section")
+    node[leaf] = value
+
+
+def load_config(preset: str = "tiny", overrides: dict[str, Any] | list[str] | None = None) -> PipelineConfig:
+    """defaults <- preset <- overrides ({"train.lr": 1e-5} or ["train.lr=1e-5"])."""
+    path = PRESET_DIR / f"{preset}.toml"
+    if not path.exists():
+        raise ConfigError(f"unknown preset '{preset}'; known: {', '.join(preset_names())}")
+    tree = tomllib.loads(path.read_text())
+    items = overrides or {}
+    if isinstance(items, list):
+        pairs = {}
+        for item in items:
+            if "=" not in item:
+                raise ConfigError(f"--set expects key=value, got '{item}'")
+            k, v = item.split("=", 1)
+            pairs[k.strip()] = parse_value(v.strip())
+        items = pairs
+    for key, value in items.items():
+        _set_dotted(tree, key, value)
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid config (preset '{preset}'):\n{exc}") from None

@@ -1,0 +1,56 @@
+"""The DAG: which stage feeds which, and how to find a stage's cached inputs.
+
+Keys chain, so the key of any stage follows from the config alone; that is what lets
+`ggpo stage NAME` rerun one stage from the cached artifacts of its inputs.
+"""
+from __future__ import annotations
+
+import importlib
+
+from pipeline.config import PipelineConfig
+from pipeline.stage import StageSpec, key_for
+from pipeline.store import Manifest, Store
+
+STAGE_NAMES = ("base", "rollout", "verify", "filter", "train", "evaluate")
+
+
+class MissingInput(RuntimeError):
+    pass
+
+
+def spec(stage: str) -> StageSpec:
+    if stage not in STAGE_NAMES:
+        raise ValueError(f"unknown stage '{stage}'; known: {', '.join(STAGE_NAMES)}")
+    return importlib.import_module(f"stages.{stage}").SPEC
+
+
+def upstream(stage: str, config: PipelineConfig) -> dict[str, str]:
+    """Input name -> producing stage."""
+    return {
+        "base": {},
+        "rollout": {"base": "base"},
+        "verify": {"rollout": "rollout"},
+        "filter": {"rollout": "rollout", "verify": "verify"},
+        "train": {"base": "base", "pool": "filter"},
+        "evaluate": {"model": config.eval.target},
+    }[stage]
+
+
+def expected_key(stage: str, config: PipelineConfig) -> str:
+    inputs = {name: expected_key(src, config) for name, src in upstream(stage, config).items()}
+    return key_for(spec(stage), config, dict(sorted(inputs.items())))
+
+
+def cached_inputs(stage: str, config: PipelineConfig, store: Store,
+                  preset: str = "tiny") -> dict[str, Manifest]:
+    found = {}
+    for name, src in upstream(stage, config).items():
+        manifest = store.load(src, expected_key(src, config))
+        if manifest is None:
+            raise MissingInput(
+                f"stage '{stage}' needs input '{name}' from stage '{src}', which is not in the "
+                f"cache ({store.root}) for this config. Build it with:\n"
+                f"  ggpo stage {src} --preset {preset} [same --set options]\n"
+                f"or run the whole pipeline: ggpo run offline --preset {preset}")
+        found[name] = manifest
+    return found

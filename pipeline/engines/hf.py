@@ -1,0 +1,97 @@
+"""Transformers rollout engine: a plain sampling loop over a KV cache.
+
+Our own loop rather than `generate()` so that the sampled token's log-prob is read from
+the exact distribution it was drawn from, the random stream is an explicit seeded
+`torch.Generator`, and left-padded prompts get explicit position ids (so the result equals
+a right-padded teacher-forced recompute to ~1e-6, which a test checks).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from pipeline.engines import LOGPROBS_MODE, Completion, SamplingParams
+from pipeline.hf import load_model, load_tokenizer
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail outside the smallest set with mass >= top_p. probs: [B, V]."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    outside = sorted_p.cumsum(-1) - sorted_p > top_p
+    sorted_p = sorted_p.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+
+
+def _cache_kwarg(model) -> str:
+    # transformers >= 5.2x renames past_key_values to cache; older releases only know the former
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class TransformersEngine:
+    name = "transformers"
+    logprobs_mode = LOGPROBS_MODE
+
+    def __init__(self, model_path: str, batch_prompts: int = 64, threads: int = 1, model=None):
+        torch.set_num_threads(threads)
+        self.tokenizer = load_tokenizer(model_path)
+        self.model = model if model is not None else load_model(model_path)
+        self.batch_prompts = batch_prompts
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        gen = torch.Generator().manual_seed(params.seed)
+        out: list[list[Completion]] = []
+        for start in range(0, len(prompts), self.batch_prompts):
+            batch = prompts[start:start + self.batch_prompts]
+            flat = self._sample([p for p in batch for _ in range(params.n)], params, gen)
+            out.extend(flat[i * params.n:(i + 1) * params.n] for i in range(len(batch)))
+        return out
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[str], params: SamplingParams, gen: torch.Generator) -> list[Completion]:
+        tok, model = self.tokenizer, self.model
+        model.eval()
+        ids = [tok(p)["input_ids"] for p in prompts]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])
+        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        eos = tok.eos_token_id
+        done = torch.zeros(len(prompts), dtype=torch.bool)
+        tokens, logps = [], []
+        past, step_ids, step_pos = None, input_ids, pos
+        cache_kw = _cache_kwarg(model)
+        for _ in range(params.max_new_tokens):
+            res = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                        use_cache=True, **{cache_kw: past})
+            logits = res.logits[:, -1, :].float()
+            if params.temperature == 0:   # greedy; log-probs reported at temperature 1
+                logp = torch.log_softmax(logits, dim=-1)
+                nxt = logits.argmax(-1)
+            else:
+                logp = torch.log_softmax(logits / params.temperature, dim=-1)
+                probs = top_p_filter(logp.exp(), params.top_p)
+                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            nxt = torch.where(done, torch.full_like(nxt, tok.pad_token_id), nxt)
+            tokens.append(nxt)
+            logps.append(logp.gather(1, nxt[:, None]).squeeze(1))
+            done = done | (nxt == eos)
+            if bool(done.all()):
+                break
+            past, step_ids = getattr(res, "cache", None) or res.past_key_values, nxt[:, None]
+            step_pos = step_pos[:, -1:] + 1
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+        return self._completions(torch.stack(tokens, 1), torch.stack(logps, 1), eos)
+
+    def _completions(self, tokens: torch.Tensor, logps: torch.Tensor, eos: int) -> list[Completion]:
+        result = []
+        for row_t, row_lp in zip(tokens.tolist(), logps.tolist()):
+            n = row_t.index(eos) + 1 if eos in row_t else len(row_t)
+            result.append(Completion(
+                token_ids=row_t[:n], logprobs=row_lp[:n],
+                finish_reason="stop" if eos in row_t else "length",
+                text=self.tokenizer.decode(row_t[:n], skip_special_tokens=True)))
+        return result

@@ -1,0 +1,61 @@
+"""Arrow schemas of every Parquet artifact, declared once, and the one writer that uses them.
+
+Writes go to a temporary name in the same folder, are fsynced, then renamed: a reader
+never sees half a file. No timestamps are written, so equal data gives equal bytes.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pipeline.store import fsync_rename
+
+PROMPTS = pa.schema([
+    ("prompt_id", pa.string()), ("group", pa.int32()), ("problem", pa.string()),
+    ("answer", pa.string()), ("prompt", pa.string()), ("prompt_token_ids", pa.list_(pa.int32())),
+])
+
+ROLLOUTS = pa.schema([
+    ("prompt_id", pa.string()), ("group", pa.int32()), ("sample", pa.int32()),
+    ("prompt_token_ids", pa.list_(pa.int32())),
+    ("response_token_ids", pa.list_(pa.int32())),
+    ("behavior_logprobs", pa.list_(pa.float32())),
+    ("response_text", pa.string()), ("response_length", pa.int32()),
+    ("finish_reason", pa.string()),
+    ("temperature", pa.float64()), ("top_p", pa.float64()), ("max_new_tokens", pa.int32()),
+    ("seed", pa.int64()), ("engine", pa.string()), ("logprobs_mode", pa.string()),
+])
+
+REWARDS = pa.schema([
+    ("prompt_id", pa.string()), ("group", pa.int32()), ("sample", pa.int32()),
+    ("reward", pa.float64()), ("status", pa.string()), ("seconds", pa.float64()),
+])
+
+# the training pool: rollout columns of kept groups plus reward and status (no timings,
+# so the same config and seed give a byte-identical file)
+TRAIN_POOL = pa.schema(list(ROLLOUTS) + [("reward", pa.float64()), ("status", pa.string())])
+
+TRAIN_METRICS = pa.schema([
+    ("update", pa.int32()), ("loss", pa.float64()), ("pg_loss", pa.float64()),
+    ("reward", pa.float64()), ("entropy", pa.float64()), ("grad_norm", pa.float64()),
+    ("clip_frac", pa.float64()), ("kl_ref_k3", pa.float64()), ("response_length", pa.float64()),
+    ("tokens", pa.int64()), ("lr", pa.float64()), ("seconds", pa.float64()),
+])
+
+EVAL_SAMPLES = pa.schema([
+    ("prompt_id", pa.string()), ("sample", pa.int32()), ("reward", pa.float64()),
+    ("status", pa.string()), ("response_length", pa.int32()), ("response_text", pa.string()),
+])
+
+
+def write_parquet(rows: dict[str, list] | pa.Table, schema: pa.Schema, path: Path) -> int:
+    """Write `rows` (column lists or a table) with `schema` atomically; return row count."""
+    table = rows if isinstance(rows, pa.Table) else pa.table(rows, schema=schema)
+    table = table.select(schema.names).cast(schema)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pq.write_table(table, tmp, compression="zstd")
+    fsync_rename(tmp, path)
+    return table.num_rows

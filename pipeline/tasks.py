@@ -1,0 +1,121 @@
+"""Built-in verifiable tasks and file-backed prompt sets, in one row schema (id, problem, answer).
+
+Built-in families (`task.name`), each with a difficulty knob and deterministic train and
+eval splits from `task.split_seed`; answers are integers written as `\\boxed{N}` so
+math-verify grades them:
+- `digit_sort`: sort a string of digits 1-9 ascending (lengths 3+2d .. 5+2d). Digits
+  exclude 0 so the sorted string is an integer whose value pins the exact string: a
+  dropped leading zero can never be graded correct.
+- `arithmetic`: a op b with op in + - x; d-digit operands (x: d-digit by 1-digit).
+Any other `task.name` is a path to a Parquet or JSONL file with `problem` and `answer`
+columns (`id` optional); the splits are a seeded permutation of its rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.config import TaskConfig
+from pipeline.seeding import permutation, py_random
+
+BUILTIN = ("digit_sort", "arithmetic")
+PROMPT_TEMPLATE = "Q:{problem}\nA:"   # the tiny model's format: short, no chat template
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    problem: str
+    answer: str
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def make_problem(name: str, difficulty: int, rng) -> tuple[str, str]:
+    if name == "digit_sort":
+        length = rng.randint(3 + 2 * difficulty, 5 + 2 * difficulty)
+        digits = "".join(rng.choice("123456789") for _ in range(length))
+        return digits, "".join(sorted(digits))
+    if name == "arithmetic":
+        lo, hi = 10 ** (difficulty - 1), 10 ** difficulty - 1
+        op = rng.choice("+-*")
+        a = rng.randint(lo, hi)
+        b = rng.randint(1, 9) if op == "*" else rng.randint(lo, hi)
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        return f"{a}{op}{b}", str(value)
+    raise DatasetError(f"unknown built-in task '{name}'; known: {', '.join(BUILTIN)}")
+
+
+def sample_problems(cfg: TaskConfig, purpose: str, count: int, exclude: set[str]) -> list[tuple[str, str]]:
+    """`count` distinct (problem, answer) pairs of a built-in task from stream `purpose`."""
+    rng = py_random(cfg.split_seed, f"task/{cfg.name}/d{cfg.difficulty}/{purpose}")
+    seen, out = set(exclude), []
+    for _ in range(count * 50):
+        if len(out) == count:
+            return out
+        problem, answer = make_problem(cfg.name, cfg.difficulty, rng)
+        if problem not in seen:
+            seen.add(problem)
+            out.append((problem, answer))
+    raise DatasetError(f"task '{cfg.name}' level {cfg.difficulty} has too few distinct problems for {count}")
+
+
+def load_file(path: str | Path) -> list[Problem]:
+    """Rows of a Parquet/JSONL prompt file; a bad row is an error naming file and row."""
+    path = Path(path)
+    if not path.exists():
+        raise DatasetError(f"task file {path} does not exist (task.name must be one of "
+                           f"{', '.join(BUILTIN)} or a .parquet/.jsonl path)")
+    df = pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_ndjson(path)
+    for column in ("problem", "answer"):
+        if column not in df.columns:
+            raise DatasetError(f"{path}: missing required column '{column}' (has {df.columns})")
+    ids = df["id"].cast(pl.Utf8).to_list() if "id" in df.columns else [f"{path.stem}-{i}" for i in range(df.height)]
+    rows = []
+    for i, (pid, problem, answer) in enumerate(zip(ids, df["problem"].to_list(), df["answer"].to_list())):
+        for field, value in (("problem", problem), ("answer", answer)):
+            if value is None or not str(value).strip():
+                raise DatasetError(f"{path}: row {i} (id {pid}) has no {field}")
+        rows.append(Problem(str(pid), str(problem), str(answer)))
+    if len({r.id for r in rows}) != len(rows):
+        raise DatasetError(f"{path}: column 'id' has repeated values")
+    return rows
+
+
+def splits(cfg: TaskConfig) -> dict[str, list[Problem]]:
+    """{'train': [...], 'eval': [...]}: disjoint, deterministic in cfg."""
+    if cfg.name not in BUILTIN:
+        rows = load_file(cfg.name)
+        order = permutation(len(rows), cfg.split_seed, "task/file-split")
+        if cfg.n_eval >= len(rows):
+            raise DatasetError(f"{cfg.name}: {len(rows)} rows, not enough for n_eval={cfg.n_eval} plus training")
+        return {"eval": [rows[i] for i in order[:cfg.n_eval]],
+                "train": [rows[i] for i in order[cfg.n_eval:cfg.n_eval + cfg.n_train]]}
+    eval_rows = sample_problems(cfg, "eval", cfg.n_eval, set())
+    train_rows = sample_problems(cfg, "train", cfg.n_train, {p for p, _ in eval_rows})
+    tag = f"{cfg.name}-d{cfg.difficulty}"
+    return {
+        "train": [Problem(f"{tag}-train-{i:05d}", p, a) for i, (p, a) in enumerate(train_rows)],
+        "eval": [Problem(f"{tag}-eval-{i:05d}", p, a) for i, (p, a) in enumerate(eval_rows)],
+    }
+
+
+def sft_stream(cfg: TaskConfig, exclude: set[str]):
+    """Endless fresh problems for the warm-up (never an eval problem)."""
+    rng = py_random(cfg.split_seed, f"task/{cfg.name}/d{cfg.difficulty}/sft")
+    while True:
+        problem, answer = make_problem(cfg.name, cfg.difficulty, rng)
+        if problem not in exclude:
+            yield problem, answer
+
+
+def format_prompt(problem: str) -> str:
+    return PROMPT_TEMPLATE.format(problem=problem)
+
+
+def format_target(answer: str) -> str:
+    return f"\\boxed{{{answer}}}"

@@ -1,0 +1,1 @@
+"""One module per DAG stage, each exposing `SPEC` and `run(config, inputs) -> Manifest`."""

@@ -1,0 +1,121 @@
+"""Stage `base`: the base policy pi_0.
+
+Reads `model`, `task`. Writes `model/` (an HF folder) and `sft.parquet` (warm-up log).
+With `model.name_or_path` set, the stage only records that path (an HF folder or hub id)
+and writes nothing else. Otherwise it builds the built-in tiny Qwen3 and warms it up by
+supervised learning on fresh task problems (never eval problems): token cross-entropy on
+`\\boxed{answer}<eos>` after the prompt, AdamW, linear warm-up then cosine decay. Every
+`sft_check_every` steps it samples `check_samples` answers (T = 1) for `check_prompts`
+training prompts and stops once the sampled accuracy reaches `target_accuracy`: the model
+is then uncertain rather than wrong (greedy above sampled), which is the room RL needs
+(../shared/tiny-model-notes.md). Deterministic on CPU for a given config.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from pipeline import tasks
+from pipeline.config import ModelConfig, PipelineConfig
+from pipeline.engines import SamplingParams
+from pipeline.engines.hf import TransformersEngine
+from pipeline.grading import grade, warm_up
+from pipeline.schemas import write_parquet
+from pipeline.seeding import derive_seed
+from pipeline.stage import Built, StageSpec, run_stage
+from pipeline.store import Manifest, Store
+from pipeline.tiny_model import build_model, build_tokenizer, save
+import pyarrow as pa
+
+SFT_LOG = pa.schema([("step", pa.int32()), ("loss", pa.float64()), ("lr", pa.float64()),
+                     ("sampled_accuracy", pa.float64())])
+
+
+def model_path(manifest: Manifest) -> str:
+    """Where downstream stages load pi_0 (or a trained policy) from."""
+    return manifest.summary["model_path"]
+
+
+def lr_at(step: int, cfg: ModelConfig) -> float:
+    if step < cfg.sft_warmup:
+        return cfg.sft_lr * (step + 1) / cfg.sft_warmup
+    progress = min(1.0, (step - cfg.sft_warmup) / max(1, cfg.sft_decay_steps - cfg.sft_warmup))
+    return cfg.sft_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def accuracy(engine, problems: list[tuple[str, str]], n: int, temperature: float, seed: int) -> float:
+    prompts = [tasks.format_prompt(problem) for problem, _ in problems]
+    outs = engine.generate(prompts, SamplingParams(n, temperature, 1.0, 24, seed))
+    rewards = [grade(c.text, (answer,), 5.0)[0] for (_, answer), group in zip(problems, outs) for c in group]
+    return sum(rewards) / len(rewards)
+
+
+def sft_step(model, opt, tok, batch: list[tuple[str, str]], lr: float) -> float:
+    from stages.train.policy import make_batch, token_logprobs
+    prompt_ids = [tok(tasks.format_prompt(p))["input_ids"] for p, _ in batch]
+    target_ids = [tok(tasks.format_target(a))["input_ids"] + [tok.eos_token_id] for _, a in batch]
+    b = make_batch(prompt_ids, target_ids, tok.pad_token_id)
+    lp, _ = token_logprobs(model, b)
+    loss = -(lp * b.mask).sum() / b.mask.sum()
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
+    mc = cfg.model
+    torch.set_num_threads(mc.threads)
+    warm_up()
+    eval_problems = {p.problem for p in tasks.splits(cfg.task)["eval"]}
+    check = tasks.sample_problems(cfg.task, "sft-check", mc.check_prompts, eval_problems)
+    stream = tasks.sft_stream(cfg.task, eval_problems)
+    tok = build_tokenizer()
+    model = build_model(mc, len(tok))
+    opt = torch.optim.AdamW(model.parameters(), lr=mc.sft_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    engine = TransformersEngine.__new__(TransformersEngine)
+    engine.tokenizer, engine.model, engine.batch_prompts = tok, model, 64
+    log = {"step": [], "loss": [], "lr": [], "sampled_accuracy": []}
+    acc, step = 0.0, 0
+    for step in range(1, mc.sft_max_steps + 1):
+        model.train()
+        loss = sft_step(model, opt, tok, [next(stream) for _ in range(mc.sft_batch_size)], lr_at(step - 1, mc))
+        acc = float("nan")
+        if step % mc.sft_check_every == 0 or step == mc.sft_max_steps:
+            acc = accuracy(engine, check, mc.check_samples, 1.0, derive_seed(mc.init_seed, f"sft/check{step}"))
+        for k, v in zip(log, (step, loss, lr_at(step - 1, mc), acc)):
+            log[k].append(v)
+        if acc >= mc.target_accuracy:
+            break
+    greedy = accuracy(engine, check, 1, 0.0, 0)
+    tmp = folder / "model.tmp"
+    save(model, tok, tmp)
+    tmp.rename(folder / "model")
+    rows = write_parquet(log, SFT_LOG, folder / "sft.parquet")
+    summary = {"model_path": str(folder / "model"), "sft_steps": step,
+               "check_sampled_accuracy": acc, "check_greedy_accuracy": greedy,
+               "parameters": sum(p.numel() for p in model.parameters())}
+    return {"sft_log": ("sft.parquet", rows), "weights": ("model/model.safetensors", None),
+            "model_config": ("model/config.json", None), "tokenizer": ("model/tokenizer.json", None)}, summary
+
+
+def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
+    if cfg.model.name_or_path:
+        return Built(files={}, summary={"model_path": cfg.model.name_or_path, "built_in": False})
+    files, summary = warm_up_tiny(cfg, folder)
+    return Built(files=files, summary=summary | {"built_in": True})
+
+
+# not task.n_train: pools of any size share one base model
+SPEC = StageSpec(name="base", version=1, build=build, reads=(
+    "model", "task.name", "task.difficulty", "task.split_seed", "task.n_eval"))
+
+
+def run(config: PipelineConfig, inputs: dict[str, Manifest] | None = None,
+        store: Store | None = None, force: bool = False) -> Manifest:
+    return run_stage(SPEC, config, inputs or {}, store, force)

@@ -1,0 +1,49 @@
+"""Stage `filter`: mixed-reward filtering (spec section 8.2).
+
+Reads `rollout.group_size`; inputs `rollout`, `verify`. Keeps group g iff
+max_i r[g,i] > min_i r[g,i] (binary rewards: 0 < successes < m); groups with all-equal
+rewards carry no learning signal for any method and are dropped before any loss.
+Writes `train_pool.parquet` (schema TRAIN_POOL: the kept groups' rollout rows with reward
+and status, sorted by group then sample) and stats: groups kept, all-correct, all-wrong.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.config import PipelineConfig
+from pipeline.schemas import TRAIN_POOL, write_parquet
+from pipeline.stage import Built, StageSpec, run_stage
+from pipeline.store import Manifest, Store
+
+
+def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
+    m = cfg.rollout.group_size
+    rewards = pl.read_parquet(inputs["verify"].path("rewards"), columns=["group", "sample", "reward", "status"])
+    rows = pl.read_parquet(inputs["rollout"].path("rollouts")).join(rewards, on=["group", "sample"], how="inner")
+    per_group = rows.group_by("group").agg(
+        pl.len().alias("n"), pl.col("reward").max().alias("hi"), pl.col("reward").min().alias("lo"),
+        (pl.col("reward") > 0.5).sum().alias("k"))
+    bad = per_group.filter(pl.col("n") != m)
+    if bad.height:
+        raise ValueError(f"filter: group {bad['group'][0]} has {bad['n'][0]} responses, "
+                         f"expected rollout.group_size={m}")
+    kept = per_group.filter(pl.col("hi") > pl.col("lo"))["group"]
+    pool = rows.filter(pl.col("group").is_in(kept.implode())).sort(["group", "sample"])
+    n = write_parquet(pool.to_arrow(), TRAIN_POOL, folder / "train_pool.parquet")
+    stats = {
+        "groups_total": per_group.height, "groups_kept": kept.len(),
+        "groups_all_correct": per_group.filter((pl.col("lo") == pl.col("hi")) & (pl.col("hi") > 0.5)).height,
+        "groups_all_wrong": per_group.filter((pl.col("lo") == pl.col("hi")) & (pl.col("hi") <= 0.5)).height,
+        "responses_kept": n, "pool_mean_reward": float(pool["reward"].mean()) if n else 0.0,
+    }
+    return Built(files={"train_pool": ("train_pool.parquet", n)}, summary=stats)
+
+
+SPEC = StageSpec(name="filter", version=1, reads=("rollout",), build=build)
+
+
+def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,
+        force: bool = False) -> Manifest:
+    return run_stage(SPEC, config, inputs, store, force)

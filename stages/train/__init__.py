@@ -1,0 +1,66 @@
+"""Stage `train`: one run of `train.method` on the fixed, filtered pool (spec 2, 7, 8.4).
+
+Reads `seed`, `train`, `rollout` (group size, sampling temperature); inputs `base` (pi_0,
+also the initial reference) and `pool` (the filter stage). Writes `model/` (an HF folder
+of the final policy), `metrics.parquet` (one row per update: loss, reward, entropy, grad
+norm, clip fraction, K3 to the reference, response length, tokens) and `checkpoints/`,
+which survive an interrupted build so that rerunning the same command resumes there.
+Group order: `order.py`, the same for every method of a seed. Loss: `losses.py`.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from pipeline.config import PipelineConfig
+from pipeline.hf import load_tokenizer
+from pipeline.schemas import TRAIN_METRICS, write_parquet
+from pipeline.stage import Built, StageSpec, run_stage
+from pipeline.store import Manifest, Store
+from stages.base import model_path
+from stages.train.loop import TrainingError, load_pool, train
+from stages.train.order import order_hash
+
+
+def check(cfg: PipelineConfig, pool_manifest: Manifest) -> None:
+    """Bad config against this pool: fail before any training."""
+    stored_m = pool_manifest.config["rollout"]["group_size"]
+    if stored_m != cfg.rollout.group_size:
+        raise TrainingError(f"train: rollout.group_size={cfg.rollout.group_size} but the pool was "
+                            f"built with group_size={stored_m}")
+    if pool_manifest.summary.get("groups_kept", 0) == 0:
+        raise TrainingError(f"train: the pool {pool_manifest.path('train_pool')} has no mixed-reward groups")
+
+
+def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
+    import torch
+    torch.set_num_threads(cfg.model.threads)
+    check(cfg, inputs["pool"])
+    base_path = model_path(inputs["base"])
+    tokenizer = load_tokenizer(base_path)
+    pool = load_pool(inputs["pool"].path("train_pool"), cfg.rollout.group_size)
+    rows, model = train(cfg, pool, base_path, tokenizer.pad_token_id, folder)
+    tmp = folder / "model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder / "model", ignore_errors=True)
+    tmp.rename(folder / "model")
+    n = write_parquet({k: [r[k] for r in rows] for k in TRAIN_METRICS.names}, TRAIN_METRICS, folder / "metrics.parquet")
+    tc = cfg.train
+    return Built(
+        files={"metrics": ("metrics.parquet", n), "weights": ("model/model.safetensors", None)},
+        summary={"model_path": str(folder / "model"), "method": tc.method, "seed": cfg.seed,
+                 "updates": tc.updates, "pool_groups": len(pool.group_ids),
+                 "group_order_sha256": order_hash(tc.updates, tc.groups_per_update, pool.group_ids, cfg.seed),
+                 "final_reward": rows[-1]["reward"], "final_loss": rows[-1]["loss"],
+                 "tokens_per_second": sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)})
+
+
+SPEC = StageSpec(name="train", version=1, reads=("seed", "train", "rollout"), build=build,
+                 keep_on_rebuild=("checkpoints",))
+
+
+def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,
+        force: bool = False) -> Manifest:
+    return run_stage(SPEC, config, inputs, store, force)

@@ -1,0 +1,48 @@
+"""Stage `verify`: the verifiable reward of every response.
+
+Reads `verify`; input `rollout`. Writes `rewards.parquet` (schema REWARDS): reward in
+{0, 1} from math-verify against the prompt's reference answer, `status` in ok |
+no_answer | parse_error | timeout, and grading `seconds`. Grading runs in worker
+processes (all cores by default) with a per-response limit of `verify.timeout_s`; a
+response that has no box, does not parse or runs too long gets reward 0 and its status.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.config import PipelineConfig
+from pipeline.grading import grade_many
+from pipeline.schemas import REWARDS, write_parquet
+from pipeline.stage import Built, StageSpec, run_stage
+from pipeline.store import Manifest, Store
+
+
+def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
+    roll = inputs["rollout"]
+    answers = pl.read_parquet(roll.path("prompts"), columns=["group", "answer"])
+    rows = (pl.read_parquet(roll.path("rollouts"), columns=["prompt_id", "group", "sample", "response_text"])
+            .join(answers, on="group", how="left").sort(["group", "sample"]))
+    graded = grade_many(rows["response_text"].to_list(), [(a,) for a in rows["answer"].to_list()],
+                        cfg.verify.timeout_s, cfg.verify.workers)
+    table = {
+        "prompt_id": rows["prompt_id"].to_list(), "group": rows["group"].to_list(),
+        "sample": rows["sample"].to_list(), "reward": [g[0] for g in graded],
+        "status": [g[1] for g in graded], "seconds": [g[2] for g in graded],
+    }
+    n = write_parquet(table, REWARDS, folder / "rewards.parquet")
+    statuses = Counter(table["status"])
+    return Built(files={"rewards": ("rewards.parquet", n)},
+                 summary={"responses": n, "mean_reward": sum(table["reward"]) / max(n, 1),
+                          "grading_seconds": sum(table["seconds"]),
+                          **{f"status_{s}": statuses.get(s, 0) for s in ("ok", "no_answer", "parse_error", "timeout")}})
+
+
+SPEC = StageSpec(name="verify", version=1, reads=("verify",), build=build)
+
+
+def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,
+        force: bool = False) -> Manifest:
+    return run_stage(SPEC, config, inputs, store, force)
