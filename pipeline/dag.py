@@ -24,6 +24,12 @@ def spec(stage: str) -> StageSpec:
     return importlib.import_module(f"stages.{stage}").SPEC
 
 
+def run(stage: str, config: PipelineConfig, inputs: dict[str, Manifest], store: Store,
+        force: bool = False) -> Manifest:
+    from pipeline.stage import run_stage
+    return run_stage(spec(stage), config, inputs, store, force)
+
+
 def upstream(stage: str, config: PipelineConfig) -> dict[str, str]:
     """Input name -> producing stage."""
     return {

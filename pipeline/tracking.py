@@ -1,0 +1,153 @@
+"""MLflow tracking: experiment `ggpo-offline`, one parent run per flow run, one nested run
+per stage (training runs named by method and seed).
+
+Runs are addressed by id through `MlflowClient`, never through mlflow's thread-local
+active-run stack, because Prefect may run tasks in worker threads. Per-update metrics
+are sent with `log_batch` (<= 1,000 per call): one call at a time costs ~27 ms each on
+SQLite (../shared/platform-notes.md).
+
+Tracking URI: $MLFLOW_TRACKING_URI if set (a remote server works unchanged), else the
+local server of `ggpo up` if it answers, else the SQLite file it uses. Artifacts of the
+local setup live under a file:// root in the state folder, so direct SQLite clients
+and the server read and write the same places.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from pipeline import paths
+from pipeline.store import Manifest
+
+EXPERIMENT = "ggpo-offline"
+ARTIFACT_LIMIT = 64 * 1024 * 1024     # larger files are referenced by path and hash
+
+
+def tracking_uri() -> str:
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    local = f"http://127.0.0.1:{paths.mlflow_port()}"
+    try:
+        with urllib.request.urlopen(f"{local}/health", timeout=1) as r:
+            if r.status == 200:
+                return local
+    except OSError:
+        pass
+    paths.state_dir().mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{paths.mlflow_db()}"
+
+
+def client():
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    from mlflow import MlflowClient
+    return MlflowClient(tracking_uri=tracking_uri())
+
+
+def experiment_id(c) -> str:
+    exp = c.get_experiment_by_name(EXPERIMENT)
+    if exp is not None:
+        return exp.experiment_id
+    location = None if c.tracking_uri.startswith("http") else paths.mlflow_artifacts().as_uri()
+    try:
+        return c.create_experiment(EXPERIMENT, artifact_location=location)
+    except Exception:  # created concurrently by another process
+        return c.get_experiment_by_name(EXPERIMENT).experiment_id
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = json.dumps(v) if isinstance(v, (list, tuple)) else str(v)
+    return out
+
+
+def log_params_metrics(c, run_id: str, params: dict[str, str], metrics: list[tuple[str, float, int]]) -> None:
+    from mlflow.entities import Metric, Param
+    ts = int(time.time() * 1000)
+    plist = [Param(k, v[:6000]) for k, v in params.items()]
+    mlist = [Metric(k, float(v), ts, step) for k, v, step in metrics]
+    for i in range(0, max(len(plist), 1), 100):        # MLflow caps params at 100 a call
+        c.log_batch(run_id, params=plist[i:i + 100])
+    for i in range(0, len(mlist), 1000):
+        c.log_batch(run_id, metrics=mlist[i:i + 1000])
+
+
+@contextmanager
+def parent_run(run_name: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[tuple[Any, str]]:
+    """A parent run for one flow run; FAILED if the body raises."""
+    c = client()
+    run = c.create_run(experiment_id(c), run_name=run_name, tags=tags)
+    log_params_metrics(c, run.info.run_id, flatten(params), [])
+    try:
+        yield c, run.info.run_id
+    except BaseException:
+        c.set_terminated(run.info.run_id, "FAILED")
+        raise
+    c.set_terminated(run.info.run_id, "FINISHED")
+
+
+def summary_metrics(summary: dict[str, Any]) -> list[tuple[str, float, int]]:
+    return [(k, float(v), 0) for k, v in summary.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def log_stage(manifest: Manifest, run_name: str, parent_run_id: str | None = None) -> str:
+    """A (nested) run for one stage result: config, summary, files, training curves."""
+    c = client()
+    tags = {"ggpo.stage": manifest.stage, "ggpo.key": manifest.key,
+            "ggpo.cache_hit": str(manifest.cache_hit).lower(), "ggpo.folder": manifest.folder}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    run_id = c.create_run(experiment_id(c), run_name=run_name, tags=tags).info.run_id
+    try:
+        metrics = summary_metrics(manifest.summary) + [("stage_seconds", manifest.seconds, 0)]
+        if manifest.stage == "train":
+            metrics += training_curves(manifest)
+        log_params_metrics(c, run_id, flatten(manifest.config), metrics)
+        log_files(c, run_id, manifest)
+        if manifest.stage == "filter":
+            log_pool_dataset(c, run_id, manifest)
+    except BaseException:
+        c.set_terminated(run_id, "FAILED")
+        raise
+    c.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def training_curves(manifest: Manifest) -> list[tuple[str, float, int]]:
+    import polars as pl
+    df = pl.read_parquet(manifest.path("metrics"))
+    names = [n for n in df.columns if n not in ("update",)]
+    return [(f"train/{n}", row[n], row["update"]) for row in df.iter_rows(named=True) for n in names
+            if row[n] is not None]
+
+
+def log_files(c, run_id: str, manifest: Manifest) -> None:
+    folder = Path(manifest.folder)
+    c.log_artifact(run_id, str(folder / "manifest.json"))
+    for name, entry in manifest.files.items():
+        path = folder / entry.path
+        if path.suffix in (".parquet", ".json") and entry.bytes <= ARTIFACT_LIMIT:
+            c.log_artifact(run_id, str(path), artifact_path=Path(entry.path).parent.as_posix().strip(".") or None)
+        else:
+            c.set_tag(run_id, f"ggpo.file.{name}", f"{path} sha256={entry.sha256}")
+
+
+def log_pool_dataset(c, run_id: str, manifest: Manifest) -> None:
+    import mlflow.data
+    import polars as pl
+    from mlflow.entities import DatasetInput, InputTag
+    path = manifest.path("train_pool")
+    df = pl.read_parquet(path, columns=["prompt_id", "group", "sample", "reward", "response_length"])
+    ds = mlflow.data.from_polars(df, source=str(path), name=f"train_pool-{manifest.key[:16]}")
+    c.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
+                                                tags=[InputTag("mlflow.data.context", "training")])])
