@@ -49,14 +49,18 @@ def expected_key(stage: str, config: PipelineConfig) -> str:
 
 def cached_inputs(stage: str, config: PipelineConfig, store: Store,
                   preset: str = "tiny") -> dict[str, Manifest]:
-    found = {}
+    """The cached manifests of a stage's inputs; MissingInput names every missing one and
+    the command that builds it."""
+    found, missing = {}, []
     for name, src in upstream(stage, config).items():
         manifest = store.load(src, expected_key(src, config))
         if manifest is None:
-            raise MissingInput(
-                f"stage '{stage}' needs input '{name}' from stage '{src}', which is not in the "
-                f"cache ({store.root}) for this config. Build it with:\n"
-                f"  ggpo stage {src} --preset {preset} [same --set options]\n"
-                f"or run the whole pipeline: ggpo run offline --preset {preset}")
-        found[name] = manifest
+            missing.append(f"  input '{name}' from stage '{src}': build it with "
+                           f"`ggpo stage {src} --preset {preset}` (and the same --set options)")
+        else:
+            found[name] = manifest
+    if missing:
+        raise MissingInput(
+            f"stage '{stage}' needs inputs that are not in the cache ({store.root}) for this config:\n"
+            + "\n".join(missing) + f"\nor build everything with `ggpo run offline --preset {preset}`")
     return found

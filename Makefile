@@ -1,0 +1,31 @@
+# make demo: set up, start the services, run the deployment ggpo/offline on the embedded default.
+# make test: set up, run the test suite (it starts its own servers on free ports).
+# GPU users: make demo TORCH_SPEC="torch" (or any CUDA build) and pip install -e '.[gpu]'.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(abspath $(VENV))/bin
+STAMP := $(VENV)/.ggpo-installed
+PREFECT_API ?= http://127.0.0.1:$${GGPO_PREFECT_PORT:-4200}/api
+
+.PHONY: install demo test down
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/ggpo up
+	PATH=$(BIN):$$PATH PREFECT_API_URL=$(PREFECT_API) prefect deployment run ggpo/offline --watch --watch-timeout 3600
+	$(BIN)/ggpo report
+
+test: install
+	$(BIN)/python -m pytest
+
+down:
+	$(BIN)/ggpo down

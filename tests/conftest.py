@@ -1,0 +1,59 @@
+"""Shared fixtures. Tests never touch the user's state: the cache, the state folder and
+the service ports are private to the test session (free ports, so the suite passes while
+a user's `ggpo up` holds 4200 and 5000)."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_SESSION = Path(tempfile.mkdtemp(prefix="ggpo-tests-"))
+os.environ["GGPO_CACHE"] = str(_SESSION / "cache")
+os.environ["GGPO_HOME"] = str(_SESSION / "home")
+os.environ["GGPO_PREFECT_PORT"] = str(free_port())
+os.environ["GGPO_MLFLOW_PORT"] = str(free_port())
+for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
+    os.environ.pop(var, None)
+
+
+@pytest.fixture(scope="session")
+def smoke_cfg():
+    from pipeline.config import load_config
+    return load_config("smoke")
+
+
+@pytest.fixture(scope="session")
+def base_manifest(smoke_cfg):
+    """The built-in tiny model (same key as the tiny preset's); built once per session."""
+    from stages import base
+    return base.run(smoke_cfg)
+
+
+@pytest.fixture(scope="session")
+def pool(smoke_cfg, base_manifest):
+    """(rollout, verify, filter) manifests of the smoke preset, in the session cache."""
+    from stages import filter as filt, rollout, verify
+    roll = rollout.run(smoke_cfg, {"base": base_manifest})
+    ver = verify.run(smoke_cfg, {"rollout": roll})
+    return roll, ver, filt.run(smoke_cfg, {"rollout": roll, "verify": ver})
+
+
+@pytest.fixture
+def store(tmp_path):
+    from pipeline.store import Store
+    return Store(tmp_path / "cache")

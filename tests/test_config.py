@@ -1,0 +1,42 @@
+import pytest
+
+from pipeline.config import ConfigError, load_config, parse_value, preset_names
+
+
+def test_presets_load_and_tiny_uses_digit_sort():
+    assert {"tiny", "smoke"} <= set(preset_names())
+    cfg = load_config("tiny")
+    assert cfg.task.name == "digit_sort" and cfg.rollout.group_size == 8 and cfg.train.groups_per_update == 32
+    assert cfg.train.beta == 0.01 and cfg.train.eps_low == 0.2 and cfg.train.dual_clip == 3.0
+
+
+def test_overrides_from_cli_strings_and_dict():
+    cfg = load_config("tiny", ["train.lr=2e-5", "eval.limit=20", "seed=7"])
+    assert cfg.train.lr == 2e-5 and cfg.eval.limit == 20 and cfg.seed == 7
+    assert load_config("tiny", {"train.updates": 3}).train.updates == 3
+
+
+def test_parse_value_bare_lists():
+    assert parse_value("[math500,aime24]") == ["math500", "aime24"]
+    assert parse_value("1e-5") == 1e-5 and parse_value("abc") == "abc"
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (["train.lr=-1"], "train.lr"),
+    (["train.nope=1"], "nope"),
+    (["train.method=ppo"], "method"),
+    (["noequals"], "key=value"),
+])
+def test_bad_overrides_name_the_field(bad, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config("tiny", bad)
+
+
+def test_unknown_preset_lists_known():
+    with pytest.raises(ConfigError, match="known: .*tiny"):
+        load_config("nope")
+
+
+def test_slice_dotted_fields():
+    cfg = load_config("tiny")
+    assert cfg.slice(("seed", "task.name")) == {"seed": 42, "task": {"name": "digit_sort"}}

@@ -1,0 +1,60 @@
+"""Built-in tasks and prompt files: determinism, disjoint splits, correct answers, bad rows."""
+import json
+
+import polars as pl
+import pytest
+
+from pipeline.config import TaskConfig, load_config
+from pipeline.store import MANIFEST
+from pipeline.tasks import DatasetError, load_file, splits
+
+
+@pytest.mark.parametrize("name", ["digit_sort", "arithmetic"])
+@pytest.mark.parametrize("difficulty", [1, 2])
+def test_splits_deterministic_disjoint_and_correct(name, difficulty):
+    cfg = TaskConfig(name=name, difficulty=difficulty, n_train=100, n_eval=50)
+    a, b = splits(cfg), splits(cfg)
+    assert a == b and len(a["train"]) == 100 and len(a["eval"]) == 50
+    assert not {p.problem for p in a["train"]} & {p.problem for p in a["eval"]}
+    for p in a["train"] + a["eval"]:
+        if name == "digit_sort":
+            assert p.answer == "".join(sorted(p.problem)) and "0" not in p.problem
+        else:
+            assert int(p.answer) == eval(p.problem)
+    assert splits(TaskConfig(name=name, difficulty=difficulty, n_train=100, n_eval=50, split_seed=1)) != a
+
+
+def test_file_task_loads_and_splits(tmp_path):
+    path = tmp_path / "probs.jsonl"
+    path.write_text("\n".join(json.dumps({"id": f"p{i}", "problem": f"{i}+1", "answer": str(i + 1)}) for i in range(30)))
+    s = splits(TaskConfig(name=str(path), n_train=20, n_eval=10))
+    assert len(s["train"]) == 20 and len(s["eval"]) == 10
+    assert {p.id for p in s["train"]} | {p.id for p in s["eval"]} == {f"p{i}" for i in range(30)}
+
+
+def test_row_without_answer_names_file_and_row(tmp_path):
+    path = tmp_path / "bad.parquet"
+    pl.DataFrame({"problem": ["1+1", "2+2", "3+3"], "answer": ["2", None, "6"]}).write_parquet(path)
+    with pytest.raises(DatasetError, match=r"bad\.parquet: row 1 .*has no answer"):
+        load_file(path)
+
+
+def test_missing_column_names_file_and_column(tmp_path):
+    path = tmp_path / "nocol.parquet"
+    pl.DataFrame({"question": ["1+1"], "answer": ["2"]}).write_parquet(path)
+    with pytest.raises(DatasetError, match=r"nocol\.parquet: missing required column 'problem'"):
+        load_file(path)
+
+
+def test_bad_dataset_writes_nothing(tmp_path, base_manifest):
+    """The rollout stage fails before writing: no manifest, no Parquet."""
+    from pipeline.store import Store
+    from stages import rollout
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n" + json.dumps({"problem": "", "answer": "3"}))
+    cfg = load_config("smoke", {"task.name": str(path), "task.n_eval": 1, "task.n_train": 1})
+    store = Store(tmp_path / "cache")
+    with pytest.raises(DatasetError, match=r"bad\.jsonl: row 1 .*has no problem"):
+        rollout.run(cfg, {"base": base_manifest}, store=store)
+    written = list((tmp_path / "cache").rglob("*"))
+    assert not [p for p in written if p.name == MANIFEST or p.suffix == ".parquet"]
