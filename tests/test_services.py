@@ -1,0 +1,105 @@
+"""Real servers: `ggpo up` on free ports, the deployment ggpo/offline run through the
+Prefect server, and what the MLflow REST API then shows."""
+import json
+import os
+import socket
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import BIN, REPO, free_port
+
+pytestmark = pytest.mark.servers
+
+
+def sh(argv, env=None, timeout=900):
+    return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, env=os.environ | (env or {}), timeout=timeout)
+
+
+def api(base, path, body=None):
+    req = urllib.request.Request(f"{base}{path}", method="POST" if body is not None else "GET",
+                                 data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def services(base_manifest):
+    res = sh([str(BIN / "ggpo"), "up"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    state = json.loads((Path(os.environ["GGPO_HOME"]) / "services.json").read_text())
+    yield state
+    sh([str(BIN / "ggpo"), "down"])
+
+
+def run_deployment(state):
+    return sh([str(BIN / "prefect"), "deployment", "run", "ggpo/offline", "-p", "preset=smoke",
+               "--watch", "--watch-timeout", "600"], env={"PREFECT_API_URL": state["urls"]["prefect_api"]})
+
+
+def runs_of(mlflow, exp_id, filter_string=""):
+    return api(mlflow, "/api/2.0/mlflow/runs/search",
+               {"experiment_ids": [exp_id], "filter": filter_string, "max_results": 200}).get("runs", [])
+
+
+def tag(run, key):
+    return {t["key"]: t["value"] for t in run["data"].get("tags", [])}.get(key)
+
+
+def test_deployment_runs_and_mlflow_shows_everything(services):
+    res = run_deployment(services)
+    assert res.returncode == 0 and "Completed" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    mlflow = services["urls"]["mlflow"]
+    exp_id = api(mlflow, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=ggpo-offline")["experiment"]["experiment_id"]
+    parents = runs_of(mlflow, exp_id, "tags.`ggpo.preset` = 'smoke'")
+    assert len(parents) == 1 and parents[0]["info"]["status"] == "FINISHED"
+    parent = parents[0]
+    parent_metrics = {m["key"] for m in parent["data"]["metrics"]}
+    assert {"base_mean_at_4", "trained_mean_at_4"} <= parent_metrics
+    children = runs_of(mlflow, exp_id, f"tags.mlflow.parentRunId = '{parent['info']['run_id']}'")
+    names = sorted(r["info"]["run_name"] for r in children)
+    assert names == sorted(["base", "rollout", "verify", "filter", "train-grpo-seed42", "evaluate-base", "evaluate-train"])
+    by_name = {r["info"]["run_name"]: r for r in children}
+    history = api(mlflow, f"/api/2.0/mlflow/metrics/get-history?run_id={by_name['train-grpo-seed42']['info']['run_id']}"
+                          "&metric_key=train/loss")["metrics"]
+    assert sorted(m["step"] for m in history) == [1, 2, 3, 4]
+    for run_name, expected in [("filter", "train_pool.parquet"), ("rollout", "rollouts.parquet"),
+                               ("verify", "rewards.parquet"), ("train-grpo-seed42", "metrics.parquet")]:
+        files = api(mlflow, f"/api/2.0/mlflow/artifacts/list?run_id={by_name[run_name]['info']['run_id']}")["files"]
+        assert {expected, "manifest.json"} <= {f["path"] for f in files}, (run_name, files)
+    inputs = by_name["filter"].get("inputs", {}).get("dataset_inputs", [])
+    assert inputs and inputs[0]["dataset"]["name"].startswith("train_pool-")
+
+
+def test_second_deployment_run_is_all_cache_hits(services):
+    # runs after the test above (same module, file order): everything is cached now
+    res = run_deployment(services)
+    assert res.returncode == 0, res.stdout[-3000:]
+    mlflow = services["urls"]["mlflow"]
+    exp_id = api(mlflow, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=ggpo-offline")["experiment"]["experiment_id"]
+    newest = runs_of(mlflow, exp_id, "tags.`ggpo.preset` = 'smoke'")[0]
+    children = runs_of(mlflow, exp_id, f"tags.mlflow.parentRunId = '{newest['info']['run_id']}'")
+    assert len(children) == 7 and all(tag(r, "ggpo.cache_hit") == "true" for r in children)
+
+
+def test_up_is_idempotent_and_status_healthy(services):
+    res = sh([str(BIN / "ggpo"), "up"])
+    assert res.returncode == 0 and "already up" in res.stdout
+    status = sh([str(BIN / "ggpo"), "status"])
+    assert status.returncode == 0 and status.stdout.count("healthy") == 3
+
+
+def test_up_refuses_a_taken_port_and_starts_nothing(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        home = tmp_path / "home"
+        res = sh([str(BIN / "ggpo"), "up", "--prefect-port", str(free_port()), "--mlflow-port", str(port)],
+                 env={"GGPO_HOME": str(home)})
+    assert res.returncode == 2
+    assert f"port {port}" in res.stderr and "taken" in res.stderr and "Nothing was started" in res.stderr
+    assert not (home / "services.json").exists() and not (home / "logs").exists()
