@@ -71,7 +71,7 @@ class FilterConfig(Section):
 
 
 class TrainConfig(Section):
-    method: Literal["grpo"] = "grpo"
+    method: Literal["grpo", "grpo_tis", "agro", "ggpo"] = "grpo"
     updates: int = Field(400, ge=1)
     groups_per_update: int = Field(32, ge=1)   # G_mb
     updates_per_step: int = Field(8, ge=1)     # N
@@ -80,6 +80,8 @@ class TrainConfig(Section):
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     beta: float = Field(0.01, ge=0)
+    tis_cap: float = Field(2.0, gt=0)                  # C, spec section 3
+    ggpo_clip_delta: float | None = Field(None, gt=0)  # spec 5.5 variant; None = off
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float = 3.0
@@ -89,6 +91,7 @@ class TrainConfig(Section):
     t_ref: int | None = None                          # None = fixed reference (GRPO default)
     micro_batch_groups: int = Field(8, ge=1)
     checkpoint_every: int = Field(10, ge=1)
+    diagnostics_block: int = Field(8, ge=1)     # updates per sequence-ESS block (spec 9)
     eval_every: int | None = None
 
 

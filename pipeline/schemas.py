@@ -43,6 +43,11 @@ TRAIN_METRICS = pa.schema([
     ("reward", pa.float64()), ("entropy", pa.float64()), ("grad_norm", pa.float64()),
     ("clip_frac", pa.float64()), ("kl_ref_k3", pa.float64()), ("response_length", pa.float64()),
     ("tokens", pa.int64()), ("lr", pa.float64()), ("seconds", pa.float64()),
+    # spec section 9 diagnostics; null where a method has no such quantity, `ess` only at
+    # the last update of each block of `train.diagnostics_block` updates
+    ("trunc_frac", pa.float64()), ("k3_mismatch", pa.float64()), ("abs_log_ratio", pa.float64()),
+    ("mean_ell", pa.float64()), ("ggpo_raw_loss", pa.float64()), ("success_ess", pa.float64()),
+    ("ess", pa.float64()), ("ref_refreshed", pa.bool_()),
 ])
 
 EVAL_SAMPLES = pa.schema([

@@ -71,10 +71,13 @@ def test_same_config_and_seed_same_pool_bytes_and_weights(tmp_path, smoke_cfg, b
     assert other_seed.files["rollouts"].sha256 != roll.files["rollouts"].sha256
 
 
-def test_crash_resumes_from_last_checkpoint(tmp_path, smoke_cfg, base_manifest, pool, monkeypatch):
+@pytest.mark.parametrize("overrides", [{}, {"train.anchor": "old", "train.updates_per_step": 4}],
+                         ids=["behavior-anchor", "old-anchor-resume-inside-step"])
+def test_crash_resumes_from_last_checkpoint(tmp_path, base_manifest, pool, monkeypatch, overrides):
     """Training dies during update 4; the folder keeps the update-2 checkpoint and no
-    manifest; the rerun resumes there and ends with the uninterrupted run's weights."""
-    fil = pool[2]
+    manifest; the rerun resumes there and ends with the uninterrupted run's weights. With
+    the old-policy anchor the checkpoint sits inside a step, so lp_old must come back too."""
+    fil, smoke_cfg = pool[2], load_config("smoke", overrides)
     straight = train.run(smoke_cfg, {"base": base_manifest, "pool": fil}, store=Store(tmp_path / "a"))
     store = Store(tmp_path / "b")
     real, calls = loop.run_update, []
@@ -94,7 +97,10 @@ def test_crash_resumes_from_last_checkpoint(tmp_path, smoke_cfg, base_manifest, 
     resumed = train.run(smoke_cfg, {"base": base_manifest, "pool": fil}, store=store)
     wa, wb = load_file(straight.path("weights")), load_file(resumed.path("weights"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert pl.read_parquet(resumed.path("metrics"))["update"].to_list() == [1, 2, 3, 4]
+    metrics = pl.read_parquet(resumed.path("metrics"))
+    assert metrics["update"].to_list() == [1, 2, 3, 4]
+    if overrides:   # at a step start the anchor is the learner itself: nothing is clipped
+        assert metrics["clip_frac"][0] == 0.0
 
 
 def test_train_rejects_mismatched_group_size(smoke_cfg, base_manifest, pool):

@@ -46,7 +46,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder / "model", ignore_errors=True)
     tmp.rename(folder / "model")
-    n = write_parquet({k: [r[k] for r in rows] for k in TRAIN_METRICS.names}, TRAIN_METRICS, folder / "metrics.parquet")
+    n = write_parquet({k: [r.get(k) for r in rows] for k in TRAIN_METRICS.names}, TRAIN_METRICS, folder / "metrics.parquet")
     tc = cfg.train
     return Built(
         files={"metrics": ("metrics.parquet", n), "weights": ("model/model.safetensors", None)},

@@ -1,4 +1,5 @@
-"""Atomic training checkpoints: model, optimizer, reference, RNG states, update index, metrics.
+"""Atomic training checkpoints: model, optimizer, reference, RNG states, update index,
+metrics so far and the current step's anchor log-probs (lp_old).
 
 One file, `checkpoints/latest.pt`, replaced atomically (write temp, fsync, rename), so a
 crash at any moment leaves the previous complete checkpoint. The pool cursor is the update
@@ -17,7 +18,8 @@ from pipeline.store import fsync_rename
 NAME = "latest.pt"
 
 
-def save(folder: Path, *, update: int, model, optimizer, reference, metrics: list[dict]) -> None:
+def save(folder: Path, *, update: int, model, optimizer, reference, metrics: list[dict],
+         lp_old: dict | None = None, block_s: list[float] | None = None) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     state = {
         "update": update,
@@ -27,6 +29,8 @@ def save(folder: Path, *, update: int, model, optimizer, reference, metrics: lis
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
         "metrics": metrics,
+        "lp_old": lp_old,        # step anchor, needed to resume inside a step exactly
+        "block_s": block_s or [],  # sequence log ratios of the unfinished ESS block
     }
     tmp = folder / f".{NAME}.tmp-{os.getpid()}"
     torch.save(state, tmp)

@@ -20,6 +20,7 @@ import torch
 from pipeline.config import PipelineConfig, TrainConfig
 from pipeline.hf import load_model
 from stages.train import checkpoint
+from stages.train.diagnostics import micro_batch_stats, normalized_ess
 from stages.train.losses import LossInputs, get_loss
 from stages.train.order import groups_for_update
 from stages.train.policy import make_batch, token_logprobs
@@ -68,12 +69,33 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
+def _batch(pool: Pool, groups: list[int], pad_id: int):
+    m = pool.group_size
+    return make_batch([pool.prompt_ids[g] for g in groups for _ in range(m)],
+                      [r for g in groups for r in pool.responses[g]], pad_id)
+
+
+@torch.no_grad()
+def step_anchor(model, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_id: int) -> dict[int, list[list[float]]]:
+    """lp_old (spec 8.1): the trainer's log-probs of a step's groups at the step start."""
+    out = {}
+    unique = sorted(set(groups))
+    for start in range(0, len(unique), cfg.train.micro_batch_groups):
+        chunk = unique[start:start + cfg.train.micro_batch_groups]
+        batch = _batch(pool, chunk, pad_id)
+        lp, _ = token_logprobs(model, batch, cfg.rollout.temperature)
+        rows = [row[:int(n)] for row, n in zip(lp.tolist(), batch.mask.sum(1).tolist())]
+        for j, g in enumerate(chunk):
+            out[g] = rows[j * pool.group_size:(j + 1) * pool.group_size]
+    return out
+
+
 def micro_batch_loss(model, reference, pool: Pool, groups: list[int], tc: TrainConfig,
-                     temperature: float, pad_id: int, t_tot: int, n_seq: int):
+                     temperature: float, pad_id: int, t_tot: int, n_seq: int,
+                     lp_old: dict[int, list[list[float]]] | None = None):
     """Loss of some whole groups (already / T_tot), its metrics and entropy sum."""
     m = pool.group_size
-    responses = [r for g in groups for r in pool.responses[g]]
-    batch = make_batch([pool.prompt_ids[g] for g in groups for _ in range(m)], responses, pad_id)
+    batch = _batch(pool, groups, pad_id)
     lp, entropy = token_logprobs(model, batch, temperature, with_entropy=True)
     with torch.no_grad():
         lp_ref, _ = token_logprobs(reference, batch, temperature)
@@ -81,28 +103,40 @@ def micro_batch_loss(model, reference, pool: Pool, groups: list[int], tc: TrainC
     lp_beh = _pad([x for g in groups for x in pool.lp_beh[g]], shape[2])
     inputs = LossInputs(lp=lp.view(shape), lp_beh=lp_beh.view(shape), lp_ref=lp_ref.view(shape),
                         mask=batch.mask.view(shape), rewards=pool.rewards[groups].float(),
-                        t_tot=float(t_tot), n_seq_tot=n_seq)
+                        t_tot=float(t_tot), n_seq_tot=n_seq,
+                        lp_old=None if lp_old is None else _pad([x for g in groups for x in lp_old[g]], shape[2]).view(shape))
     loss, metrics = get_loss(tc.method)(inputs, tc)
-    return loss, metrics, float(entropy.detach().sum())
+    return loss, metrics, float(entropy.detach().sum()), micro_batch_stats(inputs, tc.beta)
 
 
-def run_update(model, reference, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_id: int) -> dict:
-    """Forward/backward of one optimizer update (no step); returns its metrics row."""
+def run_update(model, reference, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_id: int,
+               lp_old: dict[int, list[list[float]]] | None = None) -> dict:
+    """Forward/backward of one optimizer update (no step); returns its metrics row
+    (plus `seq_log_ratio`, the responses' s_i, for the block ESS)."""
     tc, m = cfg.train, pool.group_size
     t_tot = sum(len(r) for g in groups for r in pool.responses[g])
-    row = {"loss": 0.0, "pg_loss": 0.0, "clip_frac": 0.0, "kl_ref_k3": 0.0, "entropy": 0.0}
+    row: dict = {"loss": 0.0, "entropy": 0.0, "seq_log_ratio": []}
+    sums = {"k3_mismatch": 0.0, "abs_log_ratio": 0.0, "ell_sum": 0.0, "ggpo_raw_sum": 0.0,
+            "success_ess_sum": 0.0, "success_ess_count": 0}
     for start in range(0, len(groups), tc.micro_batch_groups):
         chunk = groups[start:start + tc.micro_batch_groups]
-        loss, metrics, ent = micro_batch_loss(model, reference, pool, chunk, tc,
-                                              cfg.rollout.temperature, pad_id, t_tot, len(groups) * m)
+        loss, metrics, ent, stats = micro_batch_loss(model, reference, pool, chunk, tc, cfg.rollout.temperature,
+                                                     pad_id, t_tot, len(groups) * m, lp_old)
         loss.backward()
         row["loss"] += loss.item()
         row["entropy"] += ent / t_tot
-        for k in ("pg_loss", "clip_frac", "kl_ref_k3"):
-            row[k] += metrics[k]
+        for k, v in metrics.items():          # additive by the loss contract
+            row[k] = row.get(k, 0.0) + v
+        row["seq_log_ratio"] += stats.pop("seq_log_ratio")
+        for k in sums:
+            sums[k] += stats[k]
+    n_seq = len(groups) * m
+    row |= {"k3_mismatch": sums["k3_mismatch"], "abs_log_ratio": sums["abs_log_ratio"],
+            "mean_ell": sums["ell_sum"] / n_seq, "ggpo_raw_loss": sums["ggpo_raw_sum"] / len(groups),
+            "success_ess": sums["success_ess_sum"] / sums["success_ess_count"] if sums["success_ess_count"] else None}
     row["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
     row["reward"] = float(pool.rewards[groups].mean())
-    row["response_length"] = t_tot / (len(groups) * m)
+    row["response_length"] = t_tot / n_seq
     row["tokens"] = t_tot
     return row
 
@@ -116,19 +150,35 @@ def train(cfg: PipelineConfig, pool: Pool, base_path: str, pad_id: int, folder: 
     ckpt_dir = folder / "checkpoints"
     state = checkpoint.load(ckpt_dir)
     start, rows = (0, []) if state is None else checkpoint.restore(state, model=model, optimizer=opt, reference=reference)
+    # lp_old of the current step survives a resume inside the checkpoint (it was taken
+    # with the step-start weights, which a resumed run no longer has)
+    lp_old = None if state is None else state.get("lp_old")
+    block_s: list[float] = [] if state is None else state.get("block_s", [])
+    needs_anchor = tc.anchor == "old"
     model.train()
     for u in range(start, tc.updates):
         t0 = time.perf_counter()
         groups = groups_for_update(u, tc.groups_per_update, len(pool.group_ids), cfg.seed)
-        row = run_update(model, reference, pool, groups, cfg, pad_id)
+        if needs_anchor and u % tc.updates_per_step == 0:
+            step = range(u, min(u + tc.updates_per_step, tc.updates))
+            step_groups = [g for v in step for g in groups_for_update(v, tc.groups_per_update, len(pool.group_ids), cfg.seed)]
+            lp_old = step_anchor(model, pool, step_groups, cfg, pad_id)
+        row = run_update(model, reference, pool, groups, cfg, pad_id, lp_old if needs_anchor else None)
         if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
             raise TrainingError(f"update {u + 1} (method {tc.method}): non-finite loss {row['loss']} or grad norm "
                                 f"{row['grad_norm']}; the last good checkpoint is kept in {ckpt_dir}")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if tc.t_ref and (u + 1) % tc.t_ref == 0:   # spec section 7: refresh after update u
+        refresh = bool(tc.t_ref) and (u + 1) % tc.t_ref == 0   # spec 7: refresh after update u
+        if refresh:
             reference.load_state_dict(model.state_dict())
-        rows.append(row | {"update": u + 1, "lr": tc.lr, "seconds": time.perf_counter() - t0})
+        block_s += row.pop("seq_log_ratio")
+        ess = None
+        if (u + 1) % tc.diagnostics_block == 0 or u + 1 == tc.updates:
+            ess, block_s = normalized_ess(torch.tensor(block_s, dtype=torch.float64)), []
+        rows.append(row | {"update": u + 1, "lr": tc.lr, "seconds": time.perf_counter() - t0,
+                           "ess": ess, "ref_refreshed": refresh})
         if (u + 1) % tc.checkpoint_every == 0 or u + 1 == tc.updates:
-            checkpoint.save(ckpt_dir, update=u + 1, model=model, optimizer=opt, reference=reference, metrics=rows)
+            checkpoint.save(ckpt_dir, update=u + 1, model=model, optimizer=opt, reference=reference,
+                            metrics=rows, lp_old=lp_old if needs_anchor else None, block_s=block_s)
     return rows, model

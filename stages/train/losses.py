@@ -3,10 +3,12 @@
 Math: ../shared/spec/algorithms.md. Tensors are [G, m, T]: G groups of m responses to one
 prompt, T padded response tokens. Aggregation is token-mean over the whole optimizer
 update (spec section 1): `sum(mask * loss_tok) / T_tot`, with T_tot the update's global
-token count, so micro-batches sum to the update's loss exactly.
+token count, so micro-batches sum to the update's loss exactly. Every metric a loss
+returns is additive over micro-batches for the same reason (diagnostics.py has the rest).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -80,8 +82,97 @@ def grpo_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, floa
     return loss, metrics
 
 
+def grpo_tis_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, float]]:
+    """GRPO + truncated importance sampling (spec section 3): PPO ratio against lp_old,
+    each token's PG term times w = min(exp(lp_old - lp_beh), C), detached and one-sided;
+    the K3 term is not reweighted."""
+    if inp.lp_old is None:
+        raise ValueError("grpo_tis needs lp_old (the step-start recompute)")
+    adv = group_advantages(inp.rewards, cfg.eps_adv)[..., None]
+    pg, clipped = ppo_clipped_pg(adv, inp.lp - inp.lp_old, cfg)
+    log_w = (inp.lp_old - inp.lp_beh).detach()
+    w = torch.clamp(torch.exp(log_w), max=cfg.tis_cap)
+    k3 = k3_to_reference(inp.lp, inp.lp_ref)
+    loss = aggregate(w * pg + cfg.beta * k3, inp, cfg.aggregation)
+    with torch.no_grad():
+        metrics = {
+            "pg_loss": float(aggregate(w * pg, inp, cfg.aggregation)),
+            "kl_ref_k3": float((k3 * inp.mask).sum() / inp.t_tot),
+            "clip_frac": float((clipped.float() * inp.mask).sum() / inp.t_tot),
+            "trunc_frac": float(((log_w > math.log(cfg.tis_cap)).float() * inp.mask).sum() / inp.t_tot),
+        }
+    return loss, metrics
+
+
+def kl_adjusted_rewards(inp: LossInputs, beta: float) -> tuple[Tensor, Tensor]:
+    """(ell [G, m], rt [G, m]): ell = sum_t mask (lp - lp_ref), rt = r - beta ell (spec 1).
+    ell keeps its graph (GGPO differentiates through it)."""
+    ell = ((inp.lp - inp.lp_ref) * inp.mask).sum(-1)
+    return ell, inp.rewards.to(ell.dtype) - beta * ell
+
+
+def agro_coefficients(rt: Tensor) -> Tensor:
+    """Leave-one-out advantages a = (m/(m-1)) (rt - mean rt), [G, m] (spec section 4)."""
+    m = rt.shape[1]
+    return (m / (m - 1)) * (rt - rt.mean(dim=1, keepdim=True))
+
+
+def agro_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, float]]:
+    """AGRO (spec section 4): loss_tok = -sg(a) lp, a the LOO advantage of the KL-adjusted
+    reward computed with the current learner; token-mean. No importance weights."""
+    ell, rt = kl_adjusted_rewards(inp, cfg.beta)
+    a = agro_coefficients(rt.detach())
+    loss = ((-a[..., None] * inp.lp) * inp.mask).sum() / inp.t_tot
+    return loss, {"pg_loss": loss.item()}
+
+
+def ggpo_group_loss(rt: Tensor, beta: float) -> Tensor:
+    """Raw GGPO loss per group, [G, m] -> [G] (spec 5.1): beta (LSE(rt/beta) - log m) - mean rt."""
+    m = rt.shape[1]
+    return beta * (torch.logsumexp(rt / beta, dim=1) - math.log(m)) - rt.mean(dim=1)
+
+
+def ggpo_coefficients(rt: Tensor, beta: float) -> tuple[Tensor, Tensor]:
+    """(w, c_hat), [G, m] each: w = softmax(rt/beta), c_hat = (m w - 1)/sqrt(m-1) (spec 5.2-5.3)."""
+    m = rt.shape[1]
+    w = torch.softmax(rt / beta, dim=1)
+    return w, (m * w - 1.0) / math.sqrt(m - 1)
+
+
+def ggpo_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, float]]:
+    """GGPO (spec 5.4): L = (s / T_tot) sum_g L_g with s = m / (beta sqrt(m-1)), by
+    autograd through ell (lp_ref detached). With `ggpo_clip_delta` set, the detached-
+    coefficient variant of spec 5.5 against the step anchor lp_old instead. No lp_beh."""
+    if cfg.ggpo_clip_delta is not None:
+        return ggpo_clipped_loss(inp, cfg)
+    m = inp.rewards.shape[1]
+    ell, rt = kl_adjusted_rewards(inp, cfg.beta)
+    raw = ggpo_group_loss(rt, cfg.beta)
+    scale = m / (cfg.beta * math.sqrt(m - 1))
+    loss = scale * raw.sum() / inp.t_tot
+    return loss, {"pg_loss": loss.item()}
+
+
+def ggpo_clipped_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, float]]:
+    """Spec 5.5: o = min(c_hat D, c_hat clamp(D, -delta, delta)), D = lp - lp_old, c_hat
+    detached; loss_tok = -o; token-mean. Equals the original update's gradient at D = 0."""
+    if inp.lp_old is None:
+        raise ValueError("ggpo with train.ggpo_clip_delta needs lp_old (the step-start recompute)")
+    delta = cfg.ggpo_clip_delta
+    ell, rt = kl_adjusted_rewards(inp, cfg.beta)
+    _, c_hat = ggpo_coefficients(rt.detach(), cfg.beta)
+    c = c_hat[..., None]
+    d = inp.lp - inp.lp_old
+    o = torch.minimum(c * d, c * torch.clamp(d, -delta, delta))
+    loss = ((-o) * inp.mask).sum() / inp.t_tot
+    with torch.no_grad():
+        clipped = ((c > 0) & (d > delta)) | ((c < 0) & (d < -delta))
+        metrics = {"pg_loss": loss.item(), "clip_frac": float((clipped.float() * inp.mask).sum() / inp.t_tot)}
+    return loss, metrics
+
+
 LossFn = Callable[[LossInputs, TrainConfig], tuple[Tensor, dict[str, float]]]
-LOSSES: dict[str, LossFn] = {"grpo": grpo_loss}
+LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "grpo_tis": grpo_tis_loss, "agro": agro_loss, "ggpo": ggpo_loss}
 
 
 def get_loss(method: str) -> LossFn:
