@@ -1,4 +1,9 @@
-"""Prefect flow `ggpo` (deployment `offline`): the offline experiment, stage by stage.
+"""Prefect flow `ggpo` (deployment `offline`): the offline comparison, stage by stage.
+
+Per seed one pool (rollout -> verify -> filter); every method of `methods` trains on that
+pool with the same seeded group order and geometry; each policy is evaluated every
+`train.eval_every` updates and at the end; the base model is update 0. The flow ends with
+the report (seed Table 5 / Figure 4 forms) as MLflow artifacts of the parent run.
 
 Thin on purpose: each task runs one cached stage and logs it to MLflow; tasks pass
 manifests (paths, keys, hashes), never tensors. Prefect's own task cache stays off: the
@@ -6,72 +11,127 @@ store's content keys decide what is recomputed, the same with or without a serve
 """
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
+import polars as pl
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
+from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.runtime import flow_run
 
-from pipeline import dag, tracking
+from pipeline import dag, report, tracking
 from pipeline.config import PipelineConfig, load_config
+from pipeline.stage import build_slot, set_parallel_builds
 from pipeline.store import Manifest, Store
 
 
-def run_name(stage: str, cfg: PipelineConfig, inputs: dict[str, Manifest]) -> str:
-    if stage == "train":
-        return f"train-{cfg.train.method}-seed{cfg.seed}"
-    if stage == "evaluate":
-        return f"evaluate-{inputs['model'].stage}"
-    return stage
-
-
-@task(task_run_name="{stage}", cache_policy=NO_CACHE, retries=0)
-def run_stage_task(stage: str, cfg: PipelineConfig, inputs: dict[str, Manifest],
+@task(task_run_name="{run_name}", cache_policy=NO_CACHE, retries=0)
+def run_stage_task(stage: str, cfg: PipelineConfig, inputs: dict[str, Manifest], run_name: str,
                    force: bool = False, parent_run_id: str | None = None) -> Manifest:
-    logger = get_run_logger()
-    result = dag.run(stage, cfg, inputs, Store(), force)
-    logger.info("%s %s in %.1fs: %s", stage, "cache hit" if result.cache_hit else "built",
-                result.seconds, {k: v for k, v in result.summary.items() if not isinstance(v, str)})
-    tracking.log_stage(result, run_name(stage, cfg, inputs), parent_run_id)
+    with build_slot():      # at most experiment.parallel builds at once
+        result = dag.run(stage, cfg, inputs, Store(), force)
+    get_run_logger().info("%s %s in %.1fs: %s", run_name, "cache hit" if result.cache_hit else "built",
+                          result.seconds, {k: v for k, v in result.summary.items() if not isinstance(v, str)})
+    tracking.log_stage(result, run_name, parent_run_id)
     return result
 
 
-def evaluation_summary(base_eval: Manifest, train_eval: Manifest, cfg: PipelineConfig) -> dict[str, float]:
+class Runner:
+    """Submits stage tasks with the flow's force set and MLflow parent run. Inputs may be
+    futures: Prefect resolves them, so independent stages (the methods of a seed, the
+    seeds) run concurrently while dependent ones wait."""
+
+    def __init__(self, force: set[str], parent: str):
+        self.force, self.parent = force, parent
+
+    def __call__(self, stage: str, cfg: PipelineConfig, inputs: dict, name: str) -> PrefectFuture:
+        return run_stage_task.submit(stage, cfg, inputs, name, stage in self.force, self.parent)
+
+
+def eval_points(cfg: PipelineConfig) -> list[int | None]:
+    """Snapshot updates to evaluate, then None (the final policy)."""
+    every, last = cfg.train.eval_every, cfg.train.updates
+    return [u for u in range(every, last, every)] + [None] if every else [None]
+
+
+def submit_seed(step: Runner, cfg: PipelineConfig, base, methods: list[str]) -> list[tuple[dict, PrefectFuture]]:
+    """Pool of this seed and every method on it; returns (record stub, evaluation future)s
+    and, per method, the training future under the stub key "train"."""
+    s = cfg.seed
+    roll = step("rollout", cfg, {"base": base}, f"rollout-seed{s}")
+    ver = step("verify", cfg, {"rollout": roll}, f"verify-seed{s}")
+    pool = step("filter", cfg, {"rollout": roll, "verify": ver}, f"filter-seed{s}")
+    base_eval = step("evaluate", cfg.updated({"eval.target": "base"}), {"model": base}, f"evaluate-base-seed{s}")
+    pending = []
+    for method in methods:
+        cm = cfg.updated({"train.method": method})
+        trained = step("train", cm, {"base": base, "pool": pool}, f"train-{method}-seed{s}")
+        pending.append(({"method": method, "seed": s, "kind": "train"}, trained))
+        pending.append(({"method": method, "seed": s, "kind": "eval"}, base_eval))
+        for update in eval_points(cm):
+            pending.append(({"method": method, "seed": s, "kind": "eval"},
+                            step("evaluate", cm.updated({"eval.update": update}), {"model": trained},
+                                 f"evaluate-{method}-seed{s}-u{update or cm.train.updates}")))
+    return pending
+
+
+def collect(pending: list[tuple[dict, PrefectFuture]], cfg: PipelineConfig) -> tuple[list[dict], list[pl.DataFrame]]:
+    """Wait for every submitted stage (in submission order): eval records and curves."""
     key = f"mean_at_{cfg.eval.n_samples}"
-    return {f"base_{key}": base_eval.summary[key], f"trained_{key}": train_eval.summary[key],
-            f"base_pass_at_{cfg.eval.n_samples}": base_eval.summary[f"pass_at_{cfg.eval.n_samples}"],
-            f"trained_pass_at_{cfg.eval.n_samples}": train_eval.summary[f"pass_at_{cfg.eval.n_samples}"]}
+    records, curves = [], []
+    for stub, future in pending:
+        manifest: Manifest = future.result()
+        if stub["kind"] == "eval":
+            records.append({"method": stub["method"], "seed": stub["seed"], "update": manifest.summary["update"],
+                            "accuracy": manifest.summary[key]})
+        else:
+            curves.append(pl.read_parquet(manifest.path("metrics"), columns=["update", "abs_log_ratio", "ess", "grad_norm"])
+                          .with_columns(pl.lit(stub["method"]).alias("method"), pl.lit(stub["seed"]).alias("seed")))
+    return records, curves
 
 
-@flow(name="ggpo", log_prints=True)
-def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: list[str] | None = None) -> dict[str, Any]:
-    """Base model -> rollout pool -> verify -> filter -> train -> evaluate (base and trained).
+def log_report(client, parent: str, records: list[dict], curves: list[pl.DataFrame], cfg: PipelineConfig) -> dict:
+    evals = pl.DataFrame(records)
+    metric = f"mean@{cfg.eval.n_samples}"
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = report.write(evals, pl.concat(curves), Path(tmp), metric)
+        for path in paths.values():
+            client.log_artifact(parent, str(path), artifact_path="report")
+        table = paths["markdown"].read_text()
+    final = evals.filter(pl.col("update") == pl.col("update").max().over("method"))
+    summary = {f"final_{metric.replace('@', '_at_')}/{m}": float(final.filter(pl.col("method") == m)["accuracy"].mean())
+               for m in final["method"].unique(maintain_order=True)}
+    base = evals.filter(pl.col("update") == 0)["accuracy"].mean()
+    summary[f"base_{metric.replace('@', '_at_')}"] = float(base)
+    tracking.log_params_metrics(client, parent, {}, tracking.summary_metrics(summary))
+    return {"table": table, "summary": summary}
 
-    preset: a file in pipeline/presets; overrides: {"train.lr": 1e-5, ...};
-    force: stage names to recompute even when cached."""
+
+@flow(name="ggpo", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
+def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: list[str] | None = None,
+         methods: list[str] | None = None, seeds: list[int] | None = None) -> dict[str, Any]:
+    """Base model, then per seed: pool, every method, evaluations; then the report.
+
+    preset: a file in pipeline/presets; overrides: {"train.lr": 1e-5, ...}; force: stage
+    names to recompute even when cached; methods / seeds: default to the preset's
+    `experiment.methods` / `experiment.seeds`."""
     cfg = load_config(preset, overrides or {})
-    force = set(force or [])
-    unknown = force - set(dag.STAGE_NAMES)
+    methods = methods or list(cfg.experiment.methods)
+    seeds = seeds or list(cfg.experiment.seeds)
+    cfg = cfg.updated({"experiment.methods": methods, "experiment.seeds": seeds})   # validates names
+    unknown = set(force or []) - set(dag.STAGE_NAMES)
     if unknown:
         raise ValueError(f"force: unknown stages {sorted(unknown)}; known: {', '.join(dag.STAGE_NAMES)}")
     tags = {"ggpo.preset": preset, "prefect.flow_run_id": str(flow_run.get_id() or "")}
-    with tracking.parent_run(f"offline-{preset}-{cfg.train.method}-seed{cfg.seed}",
-                             cfg.model_dump(mode="json"), tags) as (client, parent):
-        def step(stage: str, inputs: dict[str, Manifest], c: PipelineConfig = cfg) -> Manifest:
-            return run_stage_task(stage, c, inputs, stage in force, parent)
-        base = step("base", {})
-        roll = step("rollout", {"base": base})
-        ver = step("verify", {"rollout": roll})
-        pool = step("filter", {"rollout": roll, "verify": ver})
-        trained = step("train", {"base": base, "pool": pool})
-        base_cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"target": "base"})})
-        base_eval = step("evaluate", {"model": base}, base_cfg)
-        train_eval = step("evaluate", {"model": trained})
-        summary = evaluation_summary(base_eval, train_eval, cfg)
-        tracking.log_params_metrics(client, parent, {}, tracking.summary_metrics(summary))
-    stages = {m.stage if m is not base_eval else "evaluate_base": m for m in
-              (base, roll, ver, pool, trained, base_eval, train_eval)}
-    print(f"evaluation: {summary}")
-    return {"summary": summary, "stages": {k: {"key": m.key, "folder": m.folder, "seconds": m.seconds,
-                                              "cache_hit": m.cache_hit} for k, m in stages.items()},
-            "mlflow_parent_run_id": parent}
+    with tracking.parent_run(f"offline-{preset}", cfg.model_dump(mode="json"), tags) as (client, parent):
+        set_parallel_builds(cfg.experiment.parallel)
+        step = Runner(set(force or []), parent)
+        base = step("base", cfg, {}, "base")
+        pending = [p for seed in seeds for p in submit_seed(step, cfg.updated({"seed": seed}), base, methods)]
+        records, curves = collect(pending, cfg)
+        result = log_report(client, parent, records, curves, cfg)
+    print(result["table"])
+    return result | {"mlflow_parent_run_id": parent, "records": records}

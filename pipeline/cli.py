@@ -4,7 +4,7 @@
   ggpo run offline [--preset P] [--set k=v ...] [--force STAGE ...]   the flow, in-process
   ggpo stage NAME [--preset P] [--set k=v ...] [--force]  one stage from cached inputs
   ggpo cache ls                           artifacts: stage, key, rows, size, created
-  ggpo report [--preset P] [--set k=v ...]  stage timings and evaluation of the cached run
+  ggpo report [--preset P] [--set k=v ...]  stage timings and the comparison table, from the cache
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     cache = sub.add_parser("cache", help="inspect the artifact store")
     cache.add_argument("action", choices=["ls"])
-    rep = sub.add_parser("report", help="stage timings and evaluation of a cached run")
+    rep = sub.add_parser("report", help="stage timings and the comparison table of the cached experiment")
     _config_args(rep)
     return ap
 
@@ -100,6 +100,8 @@ def ensure_prefect_api() -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_HOME", str(paths.state_dir() / "prefect"))
+    # Prefect creates its home without parents and then fails to open its database
+    os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
 
 
 def cmd_stage(args) -> int:
@@ -131,23 +133,20 @@ def cmd_cache(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from pipeline import report, tracking
     cfg = load_config(args.preset, _overrides(args))
-    store, total = Store(), 0.0
-    base_cfg = cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"target": "base"})})
-    print(f"stage timings (preset {args.preset}, seconds when built):")
-    for label, stage, c in [(s, s, cfg) for s in dag.STAGE_NAMES[:-1]] + [
-            ("evaluate(base)", "evaluate", base_cfg), ("evaluate(trained)", "evaluate", cfg)]:
-        m = store.load(stage, dag.expected_key(stage, c))
-        if m is None:
-            print(f"  {label:18s} not built")
-            continue
-        total += m.seconds
-        print(f"  {label:18s} {m.seconds:8.1f}s  {m.key[:16]}")
-        if stage == "evaluate":
-            k = cfg.eval.n_samples
-            print(f"  {'':18s} mean@{k} = {m.summary[f'mean_at_{k}']:.4f}  pass@{k} = {m.summary[f'pass_at_{k}']:.4f}")
-    print(f"  {'total':18s} {total:8.1f}s")
-    from pipeline import tracking
+    evals, _, timings = report.from_cache(cfg, Store())
+    print(f"stage timings (preset {args.preset}; seconds each took when it was built):")
+    groups: dict[str, list[float]] = {}
+    for label, seconds in timings:
+        groups.setdefault(label.split(" seed ")[0], []).append(seconds)
+    for label, values in groups.items():
+        built = [v for v in values if v is not None]
+        missing = f"  ({len(values) - len(built)} not built)" if len(built) < len(values) else ""
+        print(f"  {label:22s} {sum(built):8.1f}s  over {len(built)} run(s){missing}")
+    print(f"  {'total':22s} {sum(v for _, v in timings if v is not None):8.1f}s\n")
+    if evals.height:
+        print(report.markdown(report.summarize(evals), f"mean@{cfg.eval.n_samples}"))
     print(f"MLflow: {tracking.tracking_uri()} (experiment {tracking.EXPERIMENT})")
     return 0
 

@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -88,15 +88,54 @@ class TrainConfig(Section):
     eps_adv: float = 1e-6
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     anchor: Literal["behavior", "old"] = "behavior"   # spec 13 item 4
-    t_ref: int | None = None                          # None = fixed reference (GRPO default)
+    # reference refresh every t_ref updates; "fixed" = never; "default" = spec section 7
+    # per method (GRPO and GRPO+TIS fixed, AGRO and GGPO 160)
+    t_ref: int | Literal["fixed", "default"] = "default"
     micro_batch_groups: int = Field(8, ge=1)
     checkpoint_every: int = Field(10, ge=1)
     diagnostics_block: int = Field(8, ge=1)     # updates per sequence-ESS block (spec 9)
-    eval_every: int | None = None
+    eval_every: int | None = None               # also snapshot the policy every this many updates
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.method in ("agro", "ggpo") and self.beta <= 0:
+            raise ValueError(f"train.beta must be > 0 for {self.method} (it divides by beta), got {self.beta}")
+        if isinstance(self.t_ref, int) and self.t_ref < 1:
+            raise ValueError(f"train.t_ref must be >= 1, 'fixed' or 'default', got {self.t_ref}")
+        if self.ggpo_clip_delta is not None and self.method != "ggpo":
+            raise ValueError("train.ggpo_clip_delta applies to method 'ggpo' only")
+        return self
+
+    def refresh_every(self) -> int | None:
+        """Updates between reference refreshes; None = fixed reference."""
+        if self.t_ref == "default":
+            return DEFAULT_T_REF[self.method]
+        return None if self.t_ref == "fixed" else self.t_ref
+
+    def needs_step_anchor(self) -> bool:
+        """lp_old at step starts: GRPO+TIS, the clipped GGPO variant, GRPO anchored at old."""
+        return (self.method == "grpo_tis" or self.ggpo_clip_delta is not None
+                or (self.method == "grpo" and self.anchor == "old"))
+
+    def needs_behavior_logprobs(self) -> bool:
+        return self.method == "grpo_tis" or (self.method == "grpo" and self.anchor == "behavior")
+
+
+DEFAULT_T_REF: dict[str, int | None] = {"grpo": None, "grpo_tis": None, "agro": 160, "ggpo": 160}
+
+
+class ExperimentConfig(Section):
+    """What the flow compares: every method trains on each seed's pool (spec 8.4)."""
+    methods: list[Literal["grpo", "grpo_tis", "agro", "ggpo"]] = ["grpo"]
+    seeds: list[int] = [42]
+    # stage builds at once (threads; torch ops release the GIL: 1.75x on 2 cores with 2).
+    # Results do not depend on it. Use 1 on a single GPU.
+    parallel: int = Field(2, ge=1)
 
 
 class EvalConfig(Section):
     target: Literal["train", "base"] = "train"   # which model `ggpo stage evaluate` scores
+    update: int | None = None                    # a training snapshot (train.eval_every); None = final
     n_samples: int = Field(8, ge=1)     # mean@n
     temperature: float = 1.0
     top_p: float = 1.0
@@ -114,6 +153,14 @@ class PipelineConfig(Section):
     filter: FilterConfig = FilterConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    experiment: ExperimentConfig = ExperimentConfig()
+
+    def updated(self, overrides: dict[str, Any]) -> "PipelineConfig":
+        """A validated copy with dotted overrides applied ({"seed": 7, "train.method": "ggpo"})."""
+        tree = self.model_dump(mode="json")
+        for key, value in overrides.items():
+            _set_dotted(tree, key, value)
+        return PipelineConfig.model_validate(tree)
 
     def slice(self, fields: tuple[str, ...]) -> dict[str, Any]:
         """The config fields a stage reads ("train" or "task.name"), as JSON-able data:

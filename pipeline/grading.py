@@ -5,13 +5,15 @@ Status codes: `ok` (parsed and compared; reward 1 or 0), `no_answer` (no `\\boxe
 Only `ok` can earn reward 1. math-verify's own signal timeouts are disabled and replaced
 by one interval timer around parse+verify, so the limit is a float and covers both.
 Grading runs in worker processes (one per core by default); signals need each worker's
-main thread, which is where the pool runs them.
+main thread, which is where the pool runs them. Small batches on the main thread are
+graded in-process.
 """
 from __future__ import annotations
 
 import logging
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
 from functools import lru_cache
@@ -90,7 +92,10 @@ def grade_many(responses: list[str], answers: list[tuple[str, ...]], timeout_s: 
     items = list(zip(responses, answers))
     workers = workers or os.cpu_count() or 1
     chunks = [items[i:i + chunk] for i in range(0, len(items), chunk)]
-    if workers == 1 or len(items) < 64:
+    # the time limit is a signal, which only the main thread receives: off it (a flow
+    # runs stages in threads) grading always goes to worker processes
+    on_main = threading.current_thread() is threading.main_thread()
+    if on_main and (workers == 1 or len(items) < 64):
         warm_up()
         return _grade_chunk(items, timeout_s)
     results = []

@@ -7,10 +7,12 @@ cached, atomic `run(config, inputs) -> Manifest` every stage exposes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pipeline.config import PipelineConfig
 from pipeline.store import Manifest, Store, file_entry, now_iso, stage_key
@@ -31,6 +33,23 @@ class StageSpec:
     reads: tuple[str, ...]          # config sections that enter the key
     build: Callable[[PipelineConfig, dict[str, Manifest], Path], Built]
     keep_on_rebuild: tuple[str, ...] = ()   # e.g. checkpoints/, so a rerun resumes
+
+
+# How many stage builds may run at once in this process (flows run stages in threads).
+# Kept here, not in the flow module: Prefect pickles flows, and a lock cannot be pickled.
+_build_slots = threading.BoundedSemaphore(1 << 16)
+
+
+def set_parallel_builds(n: int) -> None:
+    global _build_slots
+    _build_slots = threading.BoundedSemaphore(n)
+
+
+@contextmanager
+def build_slot() -> Iterator[None]:
+    slots = _build_slots
+    with slots:
+        yield
 
 
 def key_for(spec: StageSpec, config: PipelineConfig, input_keys: dict[str, str]) -> str:

@@ -107,6 +107,8 @@ def log_stage(manifest: Manifest, run_name: str, parent_run_id: str | None = Non
             "ggpo.cache_hit": str(manifest.cache_hit).lower(), "ggpo.folder": manifest.folder}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
+    # string summaries (e.g. the group-order hash that shows two runs saw the same data)
+    tags |= {f"ggpo.{k}": str(v) for k, v in manifest.summary.items() if isinstance(v, str)}
     run_id = c.create_run(experiment_id(c), run_name=run_name, tags=tags).info.run_id
     try:
         metrics = summary_metrics(manifest.summary) + [("stage_seconds", manifest.seconds, 0)]

@@ -22,7 +22,7 @@ from pipeline import tasks
 from pipeline.config import ModelConfig, PipelineConfig
 from pipeline.engines import SamplingParams
 from pipeline.engines.hf import TransformersEngine
-from pipeline.grading import grade, warm_up
+from pipeline.grading import grade_many, warm_up
 from pipeline.schemas import write_parquet
 from pipeline.seeding import derive_seed
 from pipeline.stage import Built, StageSpec, run_stage
@@ -34,9 +34,16 @@ SFT_LOG = pa.schema([("step", pa.int32()), ("loss", pa.float64()), ("lr", pa.flo
                      ("sampled_accuracy", pa.float64())])
 
 
-def model_path(manifest: Manifest) -> str:
-    """Where downstream stages load pi_0 (or a trained policy) from."""
-    return manifest.summary["model_path"]
+def model_path(manifest: Manifest, update: int | None = None) -> str:
+    """Where downstream stages load pi_0, a trained policy, or its snapshot after `update`
+    updates from. Snapshots hold weights only: config and tokenizer come from model/."""
+    if update is None or manifest.stage != "train":
+        return manifest.summary["model_path"]
+    if f"snapshot_{update}" not in manifest.files:
+        known = sorted(int(k.split("_")[1]) for k in manifest.files if k.startswith("snapshot_"))
+        raise ValueError(f"eval.update={update}: training run {manifest.key[:16]} has snapshots at {known} "
+                         f"(train.eval_every) and its final model (eval.update unset)")
+    return str(manifest.path(f"snapshot_{update}").parent)
 
 
 def lr_at(step: int, cfg: ModelConfig) -> float:
@@ -49,7 +56,9 @@ def lr_at(step: int, cfg: ModelConfig) -> float:
 def accuracy(engine, problems: list[tuple[str, str]], n: int, temperature: float, seed: int) -> float:
     prompts = [tasks.format_prompt(problem) for problem, _ in problems]
     outs = engine.generate(prompts, SamplingParams(n, temperature, 1.0, 24, seed))
-    rewards = [grade(c.text, (answer,), 5.0)[0] for (_, answer), group in zip(problems, outs) for c in group]
+    texts = [c.text for group in outs for c in group]
+    answers = [(answer,) for (_, answer), group in zip(problems, outs) for _ in group]
+    rewards = [g[0] for g in grade_many(texts, answers, 5.0, workers=1)]
     return sum(rewards) / len(rewards)
 
 

@@ -1,7 +1,8 @@
 """Stage `evaluate`: mean@n of a policy on the task's held-out eval split (spec section 10).
 
 Reads `seed`, `task`, `eval`; input `model` (a base or train manifest; `eval.target`
-picks which one `ggpo stage evaluate` uses). For each of the first `eval.limit` eval
+picks which one `ggpo stage evaluate` uses; `eval.update` a training snapshot). For
+each of the first `eval.limit` eval
 problems it samples `eval.n_samples` answers with the stream (seed, "eval/sample"), the
 same for every model, grades them like the verify stage, and writes `eval.parquet`
 (schema EVAL_SAMPLES: one row per sample). Summary: mean@n = mean over problems of c_p/n,
@@ -28,7 +29,7 @@ from stages.base import model_path
 def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
     ec = cfg.eval
     problems = tasks.splits(cfg.task)["eval"][:ec.limit]
-    engine = make_engine(cfg.rollout.engine, model_path(inputs["model"]), ec.batch_prompts, cfg.model.threads)
+    engine = make_engine(cfg.rollout.engine, model_path(inputs["model"], ec.update), ec.batch_prompts, cfg.model.threads)
     params = SamplingParams(ec.n_samples, ec.temperature, ec.top_p, ec.max_new_tokens,
                             derive_seed(cfg.seed, "eval/sample"))
     outs = engine.generate([tasks.format_prompt(p.problem) for p in problems], params)
@@ -44,6 +45,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     k = ec.n_samples
     return Built(files={"samples": ("eval.parquet", n)}, summary={
         "model": inputs["model"].stage, "model_key": inputs["model"].key, "problems": len(problems),
+        "update": (ec.update or inputs["model"].summary["updates"]) if inputs["model"].stage == "train" else 0,
         "n_samples": k, f"mean_at_{k}": mean_at_k(correct, k),
         f"pass_at_{k}": sum(pass_at_k(k, c, k) for c in correct) / len(correct)})
 

@@ -58,20 +58,27 @@ def test_deployment_runs_and_mlflow_shows_everything(services):
     assert len(parents) == 1 and parents[0]["info"]["status"] == "FINISHED"
     parent = parents[0]
     parent_metrics = {m["key"] for m in parent["data"]["metrics"]}
-    assert {"base_mean_at_4", "trained_mean_at_4"} <= parent_metrics
+    assert {"base_mean_at_4", "final_mean_at_4/grpo", "final_mean_at_4/ggpo"} <= parent_metrics
     children = runs_of(mlflow, exp_id, f"tags.mlflow.parentRunId = '{parent['info']['run_id']}'")
     names = sorted(r["info"]["run_name"] for r in children)
-    assert names == sorted(["base", "rollout", "verify", "filter", "train-grpo-seed42", "evaluate-base", "evaluate-train"])
+    assert names == sorted(["base", "rollout-seed42", "verify-seed42", "filter-seed42", "evaluate-base-seed42",
+                            "train-grpo-seed42", "evaluate-grpo-seed42-u4", "train-ggpo-seed42", "evaluate-ggpo-seed42-u4"])
     by_name = {r["info"]["run_name"]: r for r in children}
-    history = api(mlflow, f"/api/2.0/mlflow/metrics/get-history?run_id={by_name['train-grpo-seed42']['info']['run_id']}"
-                          "&metric_key=train/loss")["metrics"]
-    assert sorted(m["step"] for m in history) == [1, 2, 3, 4]
-    for run_name, expected in [("filter", "train_pool.parquet"), ("rollout", "rollouts.parquet"),
-                               ("verify", "rewards.parquet"), ("train-grpo-seed42", "metrics.parquet")]:
+    for method in ("grpo", "ggpo"):
+        run = by_name[f"train-{method}-seed42"]
+        for metric in ("train/loss", "train/grad_norm", "train/k3_mismatch", "train/abs_log_ratio"):
+            history = api(mlflow, f"/api/2.0/mlflow/metrics/get-history?run_id={run['info']['run_id']}&metric_key={metric}")
+            assert sorted(m["step"] for m in history["metrics"]) == [1, 2, 3, 4], (method, metric)
+    # both methods saw the same groups in the same order
+    assert tag(by_name["train-grpo-seed42"], "ggpo.group_order_sha256") == tag(by_name["train-ggpo-seed42"], "ggpo.group_order_sha256")
+    for run_name, expected in [("filter-seed42", "train_pool.parquet"), ("rollout-seed42", "rollouts.parquet"),
+                               ("verify-seed42", "rewards.parquet"), ("train-grpo-seed42", "metrics.parquet")]:
         files = api(mlflow, f"/api/2.0/mlflow/artifacts/list?run_id={by_name[run_name]['info']['run_id']}")["files"]
         assert {expected, "manifest.json"} <= {f["path"] for f in files}, (run_name, files)
-    inputs = by_name["filter"].get("inputs", {}).get("dataset_inputs", [])
+    inputs = by_name["filter-seed42"].get("inputs", {}).get("dataset_inputs", [])
     assert inputs and inputs[0]["dataset"]["name"].startswith("train_pool-")
+    report = api(mlflow, f"/api/2.0/mlflow/artifacts/list?run_id={parent['info']['run_id']}&path=report")["files"]
+    assert {"report/report.md", "report/report.csv", "report/curves.png"} <= {f["path"] for f in report}
 
 
 def test_second_deployment_run_is_all_cache_hits(services):
@@ -82,7 +89,20 @@ def test_second_deployment_run_is_all_cache_hits(services):
     exp_id = api(mlflow, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=ggpo-offline")["experiment"]["experiment_id"]
     newest = runs_of(mlflow, exp_id, "tags.`ggpo.preset` = 'smoke'")[0]
     children = runs_of(mlflow, exp_id, f"tags.mlflow.parentRunId = '{newest['info']['run_id']}'")
-    assert len(children) == 7 and all(tag(r, "ggpo.cache_hit") == "true" for r in children)
+    assert len(children) == 9 and all(tag(r, "ggpo.cache_hit") == "true" for r in children)
+
+
+def test_parallel_training_in_the_flow_equals_a_sequential_build(services, tmp_path, base_manifest, pool):
+    """The flow trained grpo and ggpo concurrently (threads); one at a time gives the same bytes."""
+    from pipeline import dag
+    from pipeline.config import load_config
+    from pipeline.store import Store
+    from stages import train
+    for method in ("grpo", "ggpo"):
+        cfg = load_config("smoke", {"train.method": method})
+        in_flow = Store().load("train", dag.expected_key("train", cfg))
+        alone = train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=Store(tmp_path / method))
+        assert in_flow is not None and in_flow.files["weights"].sha256 == alone.files["weights"].sha256
 
 
 def test_up_is_idempotent_and_status_healthy(services):

@@ -4,12 +4,12 @@ Reads `seed`, `train`, `rollout` (group size, sampling temperature); inputs `bas
 also the initial reference) and `pool` (the filter stage). Writes `model/` (an HF folder
 of the final policy), `metrics.parquet` (one row per update: loss, reward, entropy, grad
 norm, clip fraction, K3 to the reference, response length, tokens) and `checkpoints/`,
-which survive an interrupted build so that rerunning the same command resumes there.
+which survive an interrupted build so that rerunning the same command resumes there, and
+`snapshots/update_NNNNN/` every `train.eval_every` updates for evaluation during training.
 Group order: `order.py`, the same for every method of a seed. Loss: `losses.py`.
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
@@ -38,19 +38,16 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     check(cfg, inputs["pool"])
     base_path = model_path(inputs["base"])
     tokenizer = load_tokenizer(base_path)
-    pool = load_pool(inputs["pool"].path("train_pool"), cfg.rollout.group_size)
-    rows, model = train(cfg, pool, base_path, tokenizer.pad_token_id, folder)
-    tmp = folder / "model.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder / "model", ignore_errors=True)
-    tmp.rename(folder / "model")
+    pool = load_pool(inputs["pool"].path("train_pool"), cfg.rollout.group_size, cfg.train.needs_behavior_logprobs())
+    rows = train(cfg, pool, base_path, tokenizer, folder)
     n = write_parquet({k: [r.get(k) for r in rows] for k in TRAIN_METRICS.names}, TRAIN_METRICS, folder / "metrics.parquet")
     tc = cfg.train
+    snapshots = {f"snapshot_{u}": (f"snapshots/update_{u:05d}/model.safetensors", None)
+                 for u in range(tc.eval_every or tc.updates + 1, tc.updates + 1, tc.eval_every or 1)}
     return Built(
-        files={"metrics": ("metrics.parquet", n), "weights": ("model/model.safetensors", None)},
+        files={"metrics": ("metrics.parquet", n), "weights": ("model/model.safetensors", None)} | snapshots,
         summary={"model_path": str(folder / "model"), "method": tc.method, "seed": cfg.seed,
+                 "t_ref": tc.refresh_every() or "fixed", "step_anchor": tc.needs_step_anchor(),
                  "updates": tc.updates, "pool_groups": len(pool.group_ids),
                  "group_order_sha256": order_hash(tc.updates, tc.groups_per_update, pool.group_ids, cfg.seed),
                  "final_reward": rows[-1]["reward"], "final_loss": rows[-1]["loss"],
@@ -58,7 +55,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
 
 
 SPEC = StageSpec(name="train", version=1, reads=("seed", "train", "rollout"), build=build,
-                 keep_on_rebuild=("checkpoints",))
+                 keep_on_rebuild=("checkpoints", "snapshots"))
 
 
 def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,

@@ -9,7 +9,9 @@ checkpoint every `checkpoint_every` updates.
 """
 from __future__ import annotations
 
+import logging
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,9 @@ from stages.train.diagnostics import micro_batch_stats, normalized_ess
 from stages.train.losses import LossInputs, get_loss
 from stages.train.order import groups_for_update
 from stages.train.policy import make_batch, token_logprobs
+
+
+log = logging.getLogger("ggpo")
 
 
 class TrainingError(RuntimeError):
@@ -41,10 +46,18 @@ class Pool:
     group_size: int
 
 
-def load_pool(path: Path, group_size: int) -> Pool:
+def load_pool(path: Path, group_size: int, need_behavior: bool = True) -> Pool:
     df = pl.read_parquet(path).sort(["group", "sample"])
     if df.height == 0:
         raise TrainingError(f"{path}: the training pool is empty (no mixed-reward groups)")
+    missing = df.filter(pl.col("behavior_logprobs").is_null())
+    if missing.height and need_behavior:
+        raise TrainingError(f"{path}: row (group {missing['group'][0]}, sample {missing['sample'][0]}) has no "
+                            "behavior_logprobs, which this method needs (GRPO's behavior anchor, GRPO+TIS)")
+    if missing.height:   # AGRO / GGPO never read lp_beh; mismatch diagnostics become meaningless
+        df = df.with_columns(pl.when(pl.col("behavior_logprobs").is_null())
+                             .then(pl.col("response_token_ids").list.eval(pl.element() * 0.0))
+                             .otherwise(pl.col("behavior_logprobs")).alias("behavior_logprobs"))
     bad = df.filter(pl.col("behavior_logprobs").list.len() != pl.col("response_token_ids").list.len())
     if bad.height:
         raise TrainingError(f"{path}: row (group {bad['group'][0]}, sample {bad['sample'][0]}) has "
@@ -141,9 +154,24 @@ def run_update(model, reference, pool: Pool, groups: list[int], cfg: PipelineCon
     return row
 
 
-def train(cfg: PipelineConfig, pool: Pool, base_path: str, pad_id: int, folder: Path) -> tuple[list[dict], torch.nn.Module]:
-    """Runs (or resumes) the updates; returns the metrics rows; leaves the model in `folder/model`."""
-    tc = cfg.train
+def snapshot_dir(folder: Path, update: int) -> Path:
+    return folder / "snapshots" / f"update_{update:05d}"
+
+
+def save_policy(model, tokenizer, final: Path) -> None:
+    """An HF folder (weights, config, tokenizer), written to a temp name then renamed."""
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+
+
+def train(cfg: PipelineConfig, pool: Pool, base_path: str, tokenizer, folder: Path) -> list[dict]:
+    """Runs (or resumes) the updates, saves the final policy in `folder/model`, returns the
+    metrics rows."""
+    tc, pad_id = cfg.train, tokenizer.pad_token_id
     model, reference = load_model(base_path), load_model(base_path)
     reference.requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
@@ -152,9 +180,11 @@ def train(cfg: PipelineConfig, pool: Pool, base_path: str, pad_id: int, folder: 
     start, rows = (0, []) if state is None else checkpoint.restore(state, model=model, optimizer=opt, reference=reference)
     # lp_old of the current step survives a resume inside the checkpoint (it was taken
     # with the step-start weights, which a resumed run no longer has)
+    if state is not None:
+        log.info("train %s seed %d: resuming after update %d from %s", tc.method, cfg.seed, start, ckpt_dir)
     lp_old = None if state is None else state.get("lp_old")
     block_s: list[float] = [] if state is None else state.get("block_s", [])
-    needs_anchor = tc.anchor == "old"
+    needs_anchor, t_ref = tc.needs_step_anchor(), tc.refresh_every()
     model.train()
     for u in range(start, tc.updates):
         t0 = time.perf_counter()
@@ -169,7 +199,7 @@ def train(cfg: PipelineConfig, pool: Pool, base_path: str, pad_id: int, folder: 
                                 f"{row['grad_norm']}; the last good checkpoint is kept in {ckpt_dir}")
         opt.step()
         opt.zero_grad(set_to_none=True)
-        refresh = bool(tc.t_ref) and (u + 1) % tc.t_ref == 0   # spec 7: refresh after update u
+        refresh = t_ref is not None and (u + 1) % t_ref == 0   # spec 7: refresh after update u
         if refresh:
             reference.load_state_dict(model.state_dict())
         block_s += row.pop("seq_log_ratio")
@@ -178,7 +208,11 @@ def train(cfg: PipelineConfig, pool: Pool, base_path: str, pad_id: int, folder: 
             ess, block_s = normalized_ess(torch.tensor(block_s, dtype=torch.float64)), []
         rows.append(row | {"update": u + 1, "lr": tc.lr, "seconds": time.perf_counter() - t0,
                            "ess": ess, "ref_refreshed": refresh})
+        if tc.eval_every and (u + 1) % tc.eval_every == 0:
+            # before the checkpoint, so a resume never skips a snapshot
+            save_policy(model, tokenizer, snapshot_dir(folder, u + 1))
         if (u + 1) % tc.checkpoint_every == 0 or u + 1 == tc.updates:
             checkpoint.save(ckpt_dir, update=u + 1, model=model, optimizer=opt, reference=reference,
                             metrics=rows, lp_old=lp_old if needs_anchor else None, block_s=block_s)
-    return rows, model
+    save_policy(model, tokenizer, folder / "model")
+    return rows

@@ -1,0 +1,44 @@
+"""Training throughput per method, side by side on one pool (run on demand, not a test).
+
+    .venv/bin/python benchmarks/train_throughput.py [--updates 8] [--set key=value ...]
+
+Builds (or reuses) the tiny preset's base model and seed-42 pool in the cache, then
+trains each method for a few updates in a throw-away store and prints tokens per second
+and the ratio to plain GRPO. Ratios from one run are what to quote: absolute times vary
+2-7x with machine load.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+from pipeline.config import load_config
+from pipeline.store import Store
+from stages import base, filter as filt, rollout, train, verify
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--updates", type=int, default=8)
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    args = ap.parse_args()
+    cfg = load_config("tiny", args.overrides + [f"train.updates={args.updates}", "train.eval_every=null"])
+    b = base.run(cfg)
+    roll = rollout.run(cfg, {"base": b})
+    ver = verify.run(cfg, {"rollout": roll})
+    pool = filt.run(cfg, {"rollout": roll, "verify": ver})
+    rates = {}
+    for method in ("grpo", "grpo_tis", "agro", "ggpo"):
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            m = train.run(cfg.updated({"train.method": method}), {"base": b, "pool": pool}, store=Store(tmp))
+            rates[method] = (m.summary["tokens_per_second"], time.perf_counter() - start)
+    print(f"{'method':10s} {'tokens/s':>10s} {'vs grpo':>8s} {'stage s':>8s}   ({args.updates} updates x "
+          f"{cfg.train.groups_per_update} groups x {cfg.rollout.group_size}, micro-batch {cfg.train.micro_batch_groups} groups)")
+    for method, (tps, secs) in rates.items():
+        print(f"{method:10s} {tps:10.0f} {tps / rates['grpo'][0]:8.2f} {secs:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The comparison report (seed Table 5 / Figure 4 forms).
+
+Table: accuracy (mean@n on the eval split) per method per evaluated update, as
+mean ± sample std (ddof = 1) over seeds; update 0 is the shared base policy. Figure:
+accuracy, token-mean |log ratio| learner/behavior, normalized sequence ESS and grad norm
+against updates, one line per method (seed means).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import polars as pl
+
+
+def summarize(evals: pl.DataFrame) -> pl.DataFrame:
+    """evals: method, seed, update, accuracy -> method, update, mean, std, seeds."""
+    order = {m: i for i, m in enumerate(evals["method"].unique(maintain_order=True).to_list())}
+    return (evals.group_by(["method", "update"], maintain_order=True)
+            .agg(pl.col("accuracy").mean().alias("mean"), pl.col("accuracy").std(ddof=1).alias("std"),
+                 pl.len().alias("seeds"))
+            .sort([pl.col("method").replace_strict(order), pl.col("update")]))
+
+
+def cell(mean: float, std: float | None) -> str:
+    if std is None or math.isnan(std):
+        return f"{100 * mean:.2f}"
+    return f"{100 * mean:.2f} ± {100 * std:.2f}"
+
+
+def markdown(summary: pl.DataFrame, metric: str) -> str:
+    updates = sorted(summary["update"].unique().to_list())
+    head = f"| method | " + " | ".join(f"update {u}" for u in updates) + " |"
+    lines = [f"Accuracy ({metric}, %, mean ± sample std over seeds)", "", head,
+             "|" + "---|" * (len(updates) + 1)]
+    for method in summary["method"].unique(maintain_order=True).to_list():
+        rows = {r["update"]: r for r in summary.filter(pl.col("method") == method).iter_rows(named=True)}
+        cells = [cell(rows[u]["mean"], rows[u]["std"]) if u in rows else "" for u in updates]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def figure(evals: pl.DataFrame, curves: pl.DataFrame, path: Path) -> None:
+    """curves: method, seed, update, abs_log_ratio, ess, grad_norm."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4))
+    acc = evals.group_by(["method", "update"]).agg(pl.col("accuracy").mean()).sort("update")
+    panels = [("accuracy", acc, "accuracy (eval mean@n)")]
+    for col, title in [("abs_log_ratio", "|log pi_theta - log pi_beh| (token mean)"),
+                       ("ess", "normalized ESS (sequence weights)"), ("grad_norm", "grad norm")]:
+        data = (curves.drop_nulls(col).group_by(["method", "update"]).agg(pl.col(col).mean()).sort("update"))
+        panels.append((col, data, title))
+    for ax, (col, data, title) in zip(axes, panels):
+        for method in evals["method"].unique(maintain_order=True).to_list():
+            d = data.filter(pl.col("method") == method)
+            ax.plot(d["update"].to_list(), d[col].to_list(), label=method, marker="o" if col == "accuracy" else None)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("update")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) -> dict[str, Path]:
+    """report.md, report.csv, curves.png in `folder`; returns their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    summary = summarize(evals)
+    paths = {"markdown": folder / "report.md", "csv": folder / "report.csv", "figure": folder / "curves.png"}
+    paths["markdown"].write_text(markdown(summary, metric))
+    summary.write_csv(paths["csv"])
+    figure(evals, curves, paths["figure"])
+    return paths
+
+
+def from_cache(cfg, store) -> tuple[pl.DataFrame, pl.DataFrame, list[tuple[str, float | None]]]:
+    """(evals, curves, stage timings) of the experiment `cfg` describes, read from the
+    store by expected keys; stages not built yet have timing None and no rows."""
+    from pipeline import dag
+
+    def load(stage, c):
+        return store.load(stage, dag.expected_key(stage, c))
+
+    key = f"mean_at_{cfg.eval.n_samples}"
+    timings, records, curves = [], [], []
+    base = load("base", cfg)
+    timings.append(("base", base.seconds if base else None))
+    for seed in cfg.experiment.seeds:
+        cs = cfg.updated({"seed": seed})
+        for stage in ("rollout", "verify", "filter"):
+            m = load(stage, cs)
+            timings.append((f"{stage} seed {seed}", m.seconds if m else None))
+        base_eval = load("evaluate", cs.updated({"eval.target": "base"}))
+        timings.append((f"evaluate base seed {seed}", base_eval.seconds if base_eval else None))
+        for method in cfg.experiment.methods:
+            cm = cs.updated({"train.method": method})
+            trained = load("train", cm)
+            timings.append((f"train {method} seed {seed}", trained.seconds if trained else None))
+            if trained:
+                curves.append(pl.read_parquet(trained.path("metrics"), columns=["update", "abs_log_ratio", "ess", "grad_norm"])
+                              .with_columns(pl.lit(method).alias("method"), pl.lit(seed).alias("seed")))
+            evals = [base_eval] + [load("evaluate", cm.updated({"eval.update": u}))
+                                   for u in list(range(cm.train.eval_every or cm.train.updates, cm.train.updates, cm.train.eval_every or 1)) + [None]]
+            for e in evals[1:]:
+                timings.append((f"evaluate {method} seed {seed}", e.seconds if e else None))
+            records += [{"method": method, "seed": seed, "update": e.summary["update"], "accuracy": e.summary[key]}
+                        for e in evals if e]
+    return pl.DataFrame(records), (pl.concat(curves) if curves else pl.DataFrame()), timings

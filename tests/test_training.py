@@ -1,0 +1,109 @@
+"""Training robustness: SIGKILL and resume, non-finite updates, bad pools and configs."""
+import os
+import signal
+import subprocess
+import time
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline import dag
+from pipeline.config import ConfigError, load_config
+from pipeline.store import MANIFEST, Store
+from stages import train
+from stages.train import checkpoint, loop
+
+from conftest import BIN, REPO
+
+KILL_CFG = ["train.updates=12", "train.checkpoint_every=2", "train.method=grpo_tis", "train.updates_per_step=3"]
+
+
+def test_sigkill_then_rerun_resumes_bit_exact(tmp_path, base_manifest, pool):
+    """`ggpo stage train` is SIGKILLed after a checkpoint; the same command resumes and
+    ends with the uninterrupted run's weights, bit for bit (GRPO+TIS: lp_old resumes too)."""
+    cfg = load_config("smoke", KILL_CFG)
+    argv = [str(BIN / "ggpo"), "stage", "train", "--preset", "smoke", "--no-track"]
+    for item in KILL_CFG:
+        argv += ["--set", item]
+    folder = Store().folder("train", dag.expected_key("train", cfg))
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        state = checkpoint.load(folder / "checkpoints") if (folder / "checkpoints" / checkpoint.NAME).exists() else None
+        if state and 2 <= state["update"] < 12:
+            proc.send_signal(signal.SIGKILL)
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.05)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (folder / MANIFEST).exists()
+    resumed = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after update" in resumed.stderr
+    straight = train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=Store(tmp_path))
+    done = Store().load("train", straight.key)
+    wa, wb = load_file(straight.path("weights")), load_file(done.path("weights"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    metrics = pl.read_parquet(done.path("metrics"))
+    assert metrics["update"].to_list() == list(range(1, 13))
+    assert metrics.drop("seconds").equals(pl.read_parquet(straight.path("metrics")).drop("seconds"))
+
+
+def test_non_finite_update_stops_with_update_and_method(tmp_path, base_manifest, pool, monkeypatch):
+    real, calls = loop.get_loss, []
+
+    def poisoned(method):
+        fn = real(method)
+
+        def wrapped(inp, cfg):
+            calls.append(1)
+            loss, metrics = fn(inp, cfg)
+            return (loss * float("nan") if len(calls) > 8 else loss), metrics   # from update 5 on
+        return wrapped
+    monkeypatch.setattr(loop, "get_loss", poisoned)
+    cfg = load_config("smoke", ["train.method=agro", "train.micro_batch_groups=4", "train.updates=6"])  # 2 per update
+    store = Store(tmp_path)
+    with pytest.raises(loop.TrainingError, match=r"update 5 \(method agro\): non-finite"):
+        train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=store)
+    state = checkpoint.load(store.folder("train", dag.expected_key("train", cfg)) / "checkpoints")
+    assert state["update"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_pool_without_behavior_logprobs(tmp_path, pool):
+    df = pl.read_parquet(pool[2].path("train_pool"))
+    broken = df.with_columns(pl.when(pl.int_range(pl.len()) == 3).then(None)
+                             .otherwise(pl.col("behavior_logprobs")).alias("behavior_logprobs"))
+    path = tmp_path / "pool.parquet"
+    broken.write_parquet(path)
+    with pytest.raises(loop.TrainingError, match=r"pool\.parquet: row \(group \d+, sample 3\) has no behavior_logprobs"):
+        loop.load_pool(path, 8, need_behavior=True)
+    loaded = loop.load_pool(path, 8, need_behavior=False)        # AGRO / GGPO never read them
+    assert len(loaded.lp_beh[0][3]) == len(loaded.responses[0][3])
+    assert load_config("smoke", ["train.method=grpo_tis"]).train.needs_behavior_logprobs()
+    assert not load_config("smoke", ["train.method=ggpo"]).train.needs_behavior_logprobs()
+
+
+@pytest.mark.parametrize("bad, needle", [
+    (["train.method=ppo"], "method"),
+    (["train.beta=-0.1"], "beta"),
+    (["train.method=ggpo", "train.beta=0"], "beta must be > 0 for ggpo"),
+    (["train.t_ref=0"], "t_ref"),
+    (["train.method=agro", "train.ggpo_clip_delta=0.05"], "ggpo_clip_delta applies to method 'ggpo'"),
+])
+def test_bad_training_config_fails_before_training(bad, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config("smoke", bad)
+
+
+def test_reference_refresh_defaults_and_schedule(tmp_path, base_manifest, pool):
+    assert [load_config("tiny", [f"train.method={m}"]).train.refresh_every() for m in ("grpo", "grpo_tis", "agro", "ggpo")] \
+        == [None, None, 160, 160]
+    cfg = load_config("smoke", ["train.method=ggpo", "train.t_ref=2"])
+    m = train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=Store(tmp_path))
+    metrics = pl.read_parquet(m.path("metrics"))
+    assert metrics["ref_refreshed"].to_list() == [False, True, False, True]
+    # right after a refresh the reference equals the learner, so the next update's ell is ~0
+    assert abs(metrics["mean_ell"][2]) < 1e-4 < abs(metrics["mean_ell"][1])
