@@ -51,12 +51,6 @@ class Runner:
         return run_stage_task.submit(stage, cfg, inputs, name, stage in self.force, self.parent)
 
 
-def eval_points(cfg: PipelineConfig) -> list[int | None]:
-    """Snapshot updates to evaluate, then None (the final policy)."""
-    every, last = cfg.train.eval_every, cfg.train.updates
-    return [u for u in range(every, last, every)] + [None] if every else [None]
-
-
 def submit_seed(step: Runner, cfg: PipelineConfig, base, methods: list[str]) -> list[tuple[dict, PrefectFuture]]:
     """Pool of this seed and every method on it; returns (record stub, evaluation future)s
     and, per method, the training future under the stub key "train"."""
@@ -71,7 +65,7 @@ def submit_seed(step: Runner, cfg: PipelineConfig, base, methods: list[str]) -> 
         trained = step("train", cm, {"base": base, "pool": pool}, f"train-{method}-seed{s}")
         pending.append(({"method": method, "seed": s, "kind": "train"}, trained))
         pending.append(({"method": method, "seed": s, "kind": "eval"}, base_eval))
-        for update in eval_points(cm):
+        for update in cm.train.snapshot_updates() + [None]:      # None: the final policy
             pending.append(({"method": method, "seed": s, "kind": "eval"},
                             step("evaluate", cm.updated({"eval.update": update}), {"model": trained},
                                  f"evaluate-{method}-seed{s}-u{update or cm.train.updates}")))

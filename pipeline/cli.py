@@ -74,7 +74,9 @@ def cmd_run(args) -> int:
     ensure_prefect_api()
     from flows.offline import ggpo
     result = ggpo(preset=args.preset, overrides=_overrides(args), force=args.force)
-    print(json.dumps(result, indent=2))
+    print(result["table"])
+    print(json.dumps(result["summary"], indent=2))
+    print(f"MLflow parent run {result['mlflow_parent_run_id']}")
     return 0
 
 
@@ -163,6 +165,7 @@ COMMANDS = {"up": cmd_up, "down": cmd_down,
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per Prefect API call otherwise
     try:
         return COMMANDS[args.cmd](args)
     except (ConfigError, dag.MissingInput, services.ServiceError) as exc:

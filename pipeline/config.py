@@ -117,6 +117,10 @@ class TrainConfig(Section):
         return (self.method == "grpo_tis" or self.ggpo_clip_delta is not None
                 or (self.method == "grpo" and self.anchor == "old"))
 
+    def snapshot_updates(self) -> list[int]:
+        """Updates after which the policy is saved for evaluation (not the final one)."""
+        return list(range(self.eval_every, self.updates, self.eval_every)) if self.eval_every else []
+
     def needs_behavior_logprobs(self) -> bool:
         return self.method == "grpo_tis" or (self.method == "grpo" and self.anchor == "behavior")
 

@@ -102,7 +102,7 @@ def from_cache(cfg, store) -> tuple[pl.DataFrame, pl.DataFrame, list[tuple[str, 
                 curves.append(pl.read_parquet(trained.path("metrics"), columns=["update", "abs_log_ratio", "ess", "grad_norm"])
                               .with_columns(pl.lit(method).alias("method"), pl.lit(seed).alias("seed")))
             evals = [base_eval] + [load("evaluate", cm.updated({"eval.update": u}))
-                                   for u in list(range(cm.train.eval_every or cm.train.updates, cm.train.updates, cm.train.eval_every or 1)) + [None]]
+                                   for u in cm.train.snapshot_updates() + [None]]
             for e in evals[1:]:
                 timings.append((f"evaluate {method} seed {seed}", e.seconds if e else None))
             records += [{"method": method, "seed": seed, "update": e.summary["update"], "accuracy": e.summary[key]}

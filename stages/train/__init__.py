@@ -43,7 +43,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     n = write_parquet({k: [r.get(k) for r in rows] for k in TRAIN_METRICS.names}, TRAIN_METRICS, folder / "metrics.parquet")
     tc = cfg.train
     snapshots = {f"snapshot_{u}": (f"snapshots/update_{u:05d}/model.safetensors", None)
-                 for u in range(tc.eval_every or tc.updates + 1, tc.updates + 1, tc.eval_every or 1)}
+                 for u in tc.snapshot_updates()}
     return Built(
         files={"metrics": ("metrics.parquet", n), "weights": ("model/model.safetensors", None)} | snapshots,
         summary={"model_path": str(folder / "model"), "method": tc.method, "seed": cfg.seed,
@@ -54,7 +54,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
                  "tokens_per_second": sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)})
 
 
-SPEC = StageSpec(name="train", version=1, reads=("seed", "train", "rollout"), build=build,
+SPEC = StageSpec(name="train", version=2, reads=("seed", "train", "rollout"), build=build,
                  keep_on_rebuild=("checkpoints", "snapshots"))
 
 

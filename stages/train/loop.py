@@ -208,7 +208,7 @@ def train(cfg: PipelineConfig, pool: Pool, base_path: str, tokenizer, folder: Pa
             ess, block_s = normalized_ess(torch.tensor(block_s, dtype=torch.float64)), []
         rows.append(row | {"update": u + 1, "lr": tc.lr, "seconds": time.perf_counter() - t0,
                            "ess": ess, "ref_refreshed": refresh})
-        if tc.eval_every and (u + 1) % tc.eval_every == 0:
+        if u + 1 in tc.snapshot_updates():
             # before the checkpoint, so a resume never skips a snapshot
             save_policy(model, tokenizer, snapshot_dir(folder, u + 1))
         if (u + 1) % tc.checkpoint_every == 0 or u + 1 == tc.updates:
