@@ -140,12 +140,32 @@ class ExperimentConfig(Section):
 class EvalConfig(Section):
     target: Literal["train", "base"] = "train"   # which model `ggpo stage evaluate` scores
     update: int | None = None                    # a training snapshot (train.eval_every); None = final
+    # empty: the task's own eval split; else benchmark names read from data_dir
+    # (math500, aime24, aime25, olympiadbench, minerva_math, math_train)
+    benchmarks: list[str] = []
+    data_dir: str | None = None
+    # task: the task's own "Q:..\nA:" format; plain: a step-by-step \boxed{} instruction;
+    # chat: the model's chat template (plain when it has none); auto: task for the task's
+    # split, chat for benchmarks
+    prompt: Literal["auto", "task", "plain", "chat"] = "auto"
+    pass_k: list[int] = [1, 4, 8, 16, 32]        # pass@K reported for K <= n_samples
     n_samples: int = Field(8, ge=1)     # mean@n
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 16
     batch_prompts: int = 64
     limit: int | None = None
+
+
+    @model_validator(mode="after")
+    def _check(self) -> "EvalConfig":
+        from pipeline.benchmarks import KNOWN
+        unknown = [b for b in self.benchmarks if b not in KNOWN]
+        if unknown:
+            raise ValueError(f"eval.benchmarks: unknown {unknown}; known: {', '.join(KNOWN)}")
+        if self.benchmarks and not self.data_dir:
+            raise ValueError("eval.benchmarks needs eval.data_dir (a folder of <name>.parquet/.jsonl files)")
+        return self
 
 
 class PipelineConfig(Section):

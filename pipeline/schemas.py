@@ -51,7 +51,7 @@ TRAIN_METRICS = pa.schema([
 ])
 
 EVAL_SAMPLES = pa.schema([
-    ("prompt_id", pa.string()), ("sample", pa.int32()), ("reward", pa.float64()),
+    ("benchmark", pa.string()), ("prompt_id", pa.string()), ("sample", pa.int32()), ("reward", pa.float64()),
     ("status", pa.string()), ("response_length", pa.int32()), ("response_text", pa.string()),
 ])
 

@@ -138,7 +138,7 @@ def log_files(c, run_id: str, manifest: Manifest) -> None:
     c.log_artifact(run_id, str(folder / "manifest.json"))
     for name, entry in manifest.files.items():
         path = folder / entry.path
-        if path.suffix in (".parquet", ".json") and entry.bytes <= ARTIFACT_LIMIT:
+        if path.suffix in (".parquet", ".json", ".md", ".csv") and entry.bytes <= ARTIFACT_LIMIT:
             c.log_artifact(run_id, str(path), artifact_path=Path(entry.path).parent.as_posix().strip(".") or None)
         else:
             c.set_tag(run_id, f"ggpo.file.{name}", f"{path} sha256={entry.sha256}")

@@ -1,56 +1,136 @@
-"""Stage `evaluate`: mean@n of a policy on the task's held-out eval split (spec section 10).
+"""Stage `evaluate`: mean@n, pass@K and per-benchmark scores of a policy (spec section 10).
 
-Reads `seed`, `task`, `eval`; input `model` (a base or train manifest; `eval.target`
-picks which one `ggpo stage evaluate` uses; `eval.update` a training snapshot). For
-each of the first `eval.limit` eval
-problems it samples `eval.n_samples` answers with the stream (seed, "eval/sample"), the
-same for every model, grades them like the verify stage, and writes `eval.parquet`
-(schema EVAL_SAMPLES: one row per sample). Summary: mean@n = mean over problems of c_p/n,
-and pass@n.
+Reads `seed`, `task`, `eval`, `verify`; input `model` (a base or train manifest;
+`eval.target` picks which one `ggpo stage evaluate` uses, `eval.update` a training
+snapshot). Problems: the task's held-out eval split, or the benchmarks `eval.benchmarks`
+from `eval.data_dir` (the first `eval.limit` of each). Each problem gets `eval.n_samples`
+answers, generated in chunks of `batch_prompts` prompts with the streams
+(seed, "eval/sample/<chunk>"), the same for every model, and graded like the verify stage
+(any reference answer may match). Writes `eval.parquet` (one row per sample: benchmark,
+problem id, sample index, reward, status, length) and `eval_report.md` / `.csv`
+(per benchmark: problems, mean@n, pass@K; and the problem-weighted average). The prompt
+template is recorded in the summary.
 """
 from __future__ import annotations
 
+import logging
+import time
 from pathlib import Path
 
 import polars as pl
 
-from pipeline import tasks
+from pipeline import benchmarks, tasks
 from pipeline.config import PipelineConfig
 from pipeline.engines import SamplingParams, make_engine
 from pipeline.grading import grade_many
-from pipeline.metrics import mean_at_k, pass_at_k
+from pipeline.metrics import pass_at_k, problem_weighted_average
 from pipeline.schemas import EVAL_SAMPLES, write_parquet
 from pipeline.seeding import derive_seed
 from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store
 from stages.base import model_path
 
+log = logging.getLogger("ggpo")
+AVG = "avg"   # the problem-weighted average row of the per-benchmark table
+PLAIN_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+
+def eval_problems(cfg: PipelineConfig) -> list[benchmarks.BenchProblem]:
+    ec = cfg.eval
+    if not ec.benchmarks:
+        return [benchmarks.BenchProblem(p.id, "task", p.problem, (p.answer,))
+                for p in tasks.splits(cfg.task)["eval"][:ec.limit]]
+    return [p for name in ec.benchmarks for p in benchmarks.load(name, ec.data_dir)[:ec.limit]]
+
+
+def prompt_builder(cfg: PipelineConfig, tokenizer) -> tuple[str, callable]:
+    """(description of the template, problem -> prompt text)."""
+    kind = cfg.eval.prompt
+    if kind == "auto":
+        kind = "chat" if cfg.eval.benchmarks else "task"
+    if kind == "chat" and getattr(tokenizer, "chat_template", None):
+        def chat(problem: str) -> str:
+            messages = [{"role": "user", "content": PLAIN_TEMPLATE.format(problem=problem)}]
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return f"chat template of the model, user turn: {shown(PLAIN_TEMPLATE)}", chat
+    if kind in ("chat", "plain"):
+        return f"plain: {shown(PLAIN_TEMPLATE)}", lambda problem: PLAIN_TEMPLATE.format(problem=problem)
+    return f"task: {shown(tasks.PROMPT_TEMPLATE)}", tasks.format_prompt
+
+
+def shown(template: str) -> str:
+    """A template as it reads, with {problem} kept and newlines visible."""
+    return template.format(problem="{problem}").replace("\n", "\\n")
+
+
+def generate(engine, prompts: list[str], cfg: PipelineConfig) -> tuple[list, float]:
+    """All completions, chunk by chunk with progress; (completions per prompt, seconds)."""
+    ec, out, start = cfg.eval, [], time.perf_counter()
+    for i in range(0, len(prompts), ec.batch_prompts):
+        params = SamplingParams(ec.n_samples, ec.temperature, ec.top_p, ec.max_new_tokens,
+                                derive_seed(cfg.seed, f"eval/sample/{i // ec.batch_prompts}"))
+        out += engine.generate(prompts[i:i + ec.batch_prompts], params)
+        log.info("evaluate: generated %d/%d prompts x %d samples", len(out), len(prompts), ec.n_samples)
+    return out, time.perf_counter() - start
+
+
+def benchmark_table(samples: pl.DataFrame, n: int, ks: list[int]) -> pl.DataFrame:
+    """Per benchmark: problems, mean@n, pass@K for K <= n; then a problem-weighted row."""
+    per_problem = samples.group_by(["benchmark", "prompt_id"], maintain_order=True).agg(
+        (pl.col("reward") > 0.5).sum().alias("c"))
+    rows = []
+    for (bench,), group in per_problem.group_by("benchmark", maintain_order=True):
+        c = group["c"].to_list()
+        rows.append({"benchmark": bench, "problems": len(c), f"mean_at_{n}": sum(c) / (n * len(c)),
+                     **{f"pass_at_{k}": sum(pass_at_k(n, x, k) for x in c) / len(c) for k in ks}})
+    sizes = {r["benchmark"]: r["problems"] for r in rows}
+    avg = {"benchmark": AVG, "problems": sum(sizes.values())}
+    for col in [f"mean_at_{n}"] + [f"pass_at_{k}" for k in ks]:
+        avg[col] = problem_weighted_average({r["benchmark"]: r[col] for r in rows}, sizes)
+    return pl.DataFrame(rows + ([avg] if len(rows) > 1 else []))
+
 
 def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
     ec = cfg.eval
-    problems = tasks.splits(cfg.task)["eval"][:ec.limit]
+    problems = eval_problems(cfg)
     engine = make_engine(cfg.rollout.engine, model_path(inputs["model"], ec.update), ec.batch_prompts, cfg.model.threads)
-    params = SamplingParams(ec.n_samples, ec.temperature, ec.top_p, ec.max_new_tokens,
-                            derive_seed(cfg.seed, "eval/sample"))
-    outs = engine.generate([tasks.format_prompt(p.problem) for p in problems], params)
+    template, to_prompt = prompt_builder(cfg, engine.tokenizer)
+    outs, gen_seconds = generate(engine, [to_prompt(p.problem) for p in problems], cfg)
     flat = [(p, i, c) for p, group in zip(problems, outs) for i, c in enumerate(group)]
-    graded = grade_many([c.text for _, _, c in flat], [(p.answer,) for p, _, _ in flat], cfg.verify.timeout_s, cfg.verify.workers)
-    table = {"prompt_id": [p.id for p, _, _ in flat], "sample": [i for _, i, _ in flat],
-             "reward": [g[0] for g in graded], "status": [g[1] for g in graded],
+    start = time.perf_counter()
+    graded = grade_many([c.text for _, _, c in flat], [p.answers for p, _, _ in flat], cfg.verify.timeout_s, cfg.verify.workers)
+    grade_seconds = time.perf_counter() - start
+    table = {"benchmark": [p.benchmark for p, _, _ in flat], "prompt_id": [p.id for p, _, _ in flat],
+             "sample": [i for _, i, _ in flat], "reward": [g[0] for g in graded], "status": [g[1] for g in graded],
              "response_length": [len(c.token_ids) for _, _, c in flat], "response_text": [c.text for _, _, c in flat]}
-    n = write_parquet(table, EVAL_SAMPLES, folder / "eval.parquet")
-    per_problem = (pl.DataFrame({"prompt_id": table["prompt_id"], "reward": table["reward"]})
-                   .group_by("prompt_id", maintain_order=True).agg((pl.col("reward") > 0.5).sum().alias("c")))
-    correct = per_problem["c"].to_list()
-    k = ec.n_samples
-    return Built(files={"samples": ("eval.parquet", n)}, summary={
+    rows = write_parquet(table, EVAL_SAMPLES, folder / "eval.parquet")
+    n, ks = ec.n_samples, [k for k in ec.pass_k if k <= ec.n_samples]
+    scores = benchmark_table(pl.DataFrame(table), n, ks)
+    scores.write_csv(folder / "eval_report.csv")
+    (folder / "eval_report.md").write_text(markdown(scores, template))
+    overall = scores.row(-1, named=True)
+    return Built(files={"samples": ("eval.parquet", rows), "report_md": ("eval_report.md", None),
+                        "report_csv": ("eval_report.csv", scores.height)}, summary={
         "model": inputs["model"].stage, "model_key": inputs["model"].key, "problems": len(problems),
         "update": (ec.update or inputs["model"].summary["updates"]) if inputs["model"].stage == "train" else 0,
-        "n_samples": k, f"mean_at_{k}": mean_at_k(correct, k),
-        f"pass_at_{k}": sum(pass_at_k(k, c, k) for c in correct) / len(correct)})
+        "n_samples": n, f"mean_at_{n}": overall[f"mean_at_{n}"],
+        **{f"pass_at_{k}": overall[f"pass_at_{k}"] for k in ks},
+        **{f"{r['benchmark']}/mean_at_{n}": r[f"mean_at_{n}"] for r in scores.iter_rows(named=True)
+           if r["benchmark"] != AVG and len(scores) > 1},
+        "prompt_template": template, "generation_samples_per_second": rows / gen_seconds,
+        "grading_samples_per_second": rows / grade_seconds})
 
 
-SPEC = StageSpec(name="evaluate", version=1, reads=("seed", "task", "eval", "verify"), build=build)
+def markdown(scores: pl.DataFrame, template: str) -> str:
+    cols = [c for c in scores.columns if c != "benchmark"]
+    lines = ["| benchmark | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for r in scores.iter_rows(named=True):
+        lines.append(f"| {r['benchmark']} | " + " | ".join(
+            str(r[c]) if c == "problems" else f"{100 * r[c]:.2f}" for c in cols) + " |")
+    return f"Prompt: {template}\n\n" + "\n".join(lines) + "\n"
+
+
+SPEC = StageSpec(name="evaluate", version=2, reads=("seed", "task", "eval", "verify"), build=build)
 
 
 def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,

@@ -1,0 +1,61 @@
+"""Math benchmarks in one schema: (id, benchmark, problem, answers).
+
+Sources: a local folder of `<name>.parquet` or `<name>.jsonl` files (`eval.data_dir`, e.g.
+../shared/data/benchmarks). Required columns: id, problem, answer. `answers` holds the
+answer and every alternative form the file offers (Minerva's `answer_latex`, which
+rewrites e-notation that math-verify would read as Euler's e); a grader accepts a match
+on any of them. Sizes of the problem-weighted average (spec 10): OlympiadBench counts 674
+there although the file has 675 rows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+KNOWN = ("math500", "aime24", "aime25", "olympiadbench", "minerva_math", "math_train")
+EVAL_SET = KNOWN[:5]
+PAPER_SIZES = {"math500": 500, "aime24": 30, "aime25": 30, "olympiadbench": 674, "minerva_math": 272}
+ALTERNATIVE_ANSWER_COLUMNS = ("answer_latex",)
+
+
+@dataclass(frozen=True)
+class BenchProblem:
+    id: str
+    benchmark: str
+    problem: str
+    answers: tuple[str, ...]
+
+
+class BenchmarkError(ValueError):
+    pass
+
+
+def _file(name: str, data_dir: str | Path) -> Path:
+    if name not in KNOWN:
+        raise BenchmarkError(f"unknown benchmark '{name}'; known: {', '.join(KNOWN)}")
+    for suffix in (".parquet", ".jsonl"):
+        path = Path(data_dir) / f"{name}{suffix}"
+        if path.exists():
+            return path
+    raise BenchmarkError(f"benchmark '{name}': no {name}.parquet or {name}.jsonl in {data_dir}")
+
+
+def load(name: str, data_dir: str | Path) -> list[BenchProblem]:
+    path = _file(name, data_dir)
+    df = pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_ndjson(path)
+    for column in ("id", "problem", "answer"):
+        if column not in df.columns:
+            raise BenchmarkError(f"{path}: missing required column '{column}'")
+    repeated = df.group_by("id").len().filter(pl.col("len") > 1)
+    if repeated.height:
+        raise BenchmarkError(f"{path}: id '{repeated['id'][0]}' appears {repeated['len'][0]} times")
+    alternatives = [c for c in ALTERNATIVE_ANSWER_COLUMNS if c in df.columns]
+    problems = []
+    for i, row in enumerate(df.select(["id", "problem", "answer", *alternatives]).iter_rows(named=True)):
+        if not row["problem"] or row["answer"] is None:
+            raise BenchmarkError(f"{path}: row {i} (id {row['id']}) has no {'problem' if not row['problem'] else 'answer'}")
+        answers = tuple(dict.fromkeys([row["answer"], *(row[c] for c in alternatives if row[c])]))
+        problems.append(BenchProblem(str(row["id"]), name, row["problem"], answers))
+    return problems
