@@ -72,29 +72,48 @@ def submit_seed(step: Runner, cfg: PipelineConfig, base, methods: list[str]) -> 
     return pending
 
 
-def collect(pending: list[tuple[dict, PrefectFuture]], cfg: PipelineConfig) -> tuple[list[dict], list[pl.DataFrame]]:
-    """Wait for every submitted stage (in submission order): eval records and curves."""
+def collect(pending: list[tuple[dict, PrefectFuture]], cfg: PipelineConfig) -> tuple[list[dict], list, list]:
+    """Wait for every submitted stage (in submission order): eval records, training
+    curves and the final evaluations' per-benchmark tables."""
     key = f"mean_at_{cfg.eval.n_samples}"
-    records, curves = [], []
+    records, curves, finals = [], [], []
     for stub, future in pending:
         manifest: Manifest = future.result()
         if stub["kind"] == "eval":
             records.append({"method": stub["method"], "seed": stub["seed"], "update": manifest.summary["update"],
                             "accuracy": manifest.summary[key]})
+            if manifest.summary["update"] == cfg.train.updates:      # the final policy: Table 1 / 3
+                finals.append(pl.read_csv(manifest.path("report_csv"))
+                              .with_columns(pl.lit(stub["method"]).alias("method"), pl.lit(stub["seed"]).alias("seed")))
         else:
             curves.append(pl.read_parquet(manifest.path("metrics"), columns=["update", "abs_log_ratio", "ess", "grad_norm"])
                           .with_columns(pl.lit(stub["method"]).alias("method"), pl.lit(stub["seed"]).alias("seed")))
-    return records, curves
+    return records, curves, finals
 
 
-def log_report(client, parent: str, records: list[dict], curves: list[pl.DataFrame], cfg: PipelineConfig) -> dict:
+def write_benchmark_report(finals: list[pl.DataFrame], cfg: PipelineConfig, folder: Path) -> list[Path]:
+    """Table 1 / Table 3 forms and the pass@K figure from the final evaluations."""
+    ks = [k for k in cfg.eval.pass_k if k <= cfg.eval.n_samples]
+    t1_md, t3_md, t1, t3 = report.benchmark_tables(pl.concat(finals, how="diagonal_relaxed"), cfg.eval.n_samples, ks)
+    paths = [folder / n for n in ("benchmarks.md", "benchmarks.csv", "pass_at_k.md", "pass_at_k.csv", "pass_at_k.png")]
+    paths[0].write_text(t1_md)
+    t1.write_csv(paths[1])
+    paths[2].write_text(t3_md)
+    t3.write_csv(paths[3])
+    report.pass_at_k_figure(t3, ks, paths[4])
+    return paths
+
+
+def log_report(client, parent: str, records: list[dict], curves: list[pl.DataFrame], finals: list[pl.DataFrame],
+               cfg: PipelineConfig) -> dict:
     evals = pl.DataFrame(records)
     metric = f"mean@{cfg.eval.n_samples}"
     with tempfile.TemporaryDirectory() as tmp:
         paths = report.write(evals, pl.concat(curves), Path(tmp), metric)
-        for path in paths.values():
+        extra = write_benchmark_report(finals, cfg, Path(tmp))
+        for path in list(paths.values()) + extra:
             client.log_artifact(parent, str(path), artifact_path="report")
-        table = paths["markdown"].read_text()
+        table = paths["markdown"].read_text() + "\n" + extra[0].read_text() + "\n" + extra[2].read_text()
     final = evals.filter(pl.col("update") == pl.col("update").max().over("method"))
     summary = {f"final_{metric.replace('@', '_at_')}/{m}": float(final.filter(pl.col("method") == m)["accuracy"].mean())
                for m in final["method"].unique(maintain_order=True)}
@@ -125,7 +144,7 @@ def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: l
         step = Runner(set(force or []), parent)
         base = step("base", cfg, {}, "base")
         pending = [p for seed in seeds for p in submit_seed(step, cfg.updated({"seed": seed}), base, methods)]
-        records, curves = collect(pending, cfg)
-        result = log_report(client, parent, records, curves, cfg)
+        records, curves, finals = collect(pending, cfg)
+        result = log_report(client, parent, records, curves, finals, cfg)
     print(result["table"])
     return result | {"mlflow_parent_run_id": parent, "records": records}

@@ -1,7 +1,10 @@
 """Math benchmarks in one schema: (id, benchmark, problem, answers).
 
 Sources: a local folder of `<name>.parquet` or `<name>.jsonl` files (`eval.data_dir`, e.g.
-../shared/data/benchmarks). Required columns: id, problem, answer. `answers` holds the
+../shared/data/benchmarks), or `eval.data_dir = "hub"`: dataset ids through the
+`datasets` library, for users with internet (HUB below; the ids with a default are
+those we found used for these sets in public evaluation code; OlympiadBench and Minerva
+have no agreed id, so they need files). Required columns: id, problem, answer. `answers` holds the
 answer and every alternative form the file offers (Minerva's `answer_latex`, which
 rewrites e-notation that math-verify would read as Euler's e); a grader accepts a match
 on any of them. Sizes of the problem-weighted average (spec 10): OlympiadBench counts 674
@@ -18,6 +21,13 @@ KNOWN = ("math500", "aime24", "aime25", "olympiadbench", "minerva_math", "math_t
 EVAL_SET = KNOWN[:5]
 PAPER_SIZES = {"math500": 500, "aime24": 30, "aime25": 30, "olympiadbench": 674, "minerva_math": 272}
 ALTERNATIVE_ANSWER_COLUMNS = ("answer_latex",)
+
+
+HUB = {   # name -> load_dataset arguments and the column that holds the problem id
+    "math500": {"path": "HuggingFaceH4/MATH-500", "split": "test", "id": "unique_id"},
+    "aime24": {"path": "HuggingFaceH4/aime_2024", "split": "train", "id": "id"},
+    "aime25": {"path": "math-ai/aime25", "split": "test", "id": "id"},
+}
 
 
 @dataclass(frozen=True)
@@ -42,9 +52,28 @@ def _file(name: str, data_dir: str | Path) -> Path:
     raise BenchmarkError(f"benchmark '{name}': no {name}.parquet or {name}.jsonl in {data_dir}")
 
 
+def _from_hub(name: str) -> tuple[pl.DataFrame, str]:
+    if name not in KNOWN:
+        raise BenchmarkError(f"unknown benchmark '{name}'; known: {', '.join(KNOWN)}")
+    if name not in HUB:
+        raise BenchmarkError(f"benchmark '{name}' has no default dataset id; put {name}.parquet or "
+                             f"{name}.jsonl in a folder and set eval.data_dir to it")
+    from datasets import load_dataset
+    spec = dict(HUB[name])
+    id_column = spec.pop("id")
+    ds = load_dataset(**spec)
+    df = pl.from_arrow(ds.data.table)
+    if id_column in df.columns and id_column != "id":
+        df = df.rename({id_column: "id"})
+    return df.with_columns(pl.col("id").cast(pl.Utf8)) if "id" in df.columns else df, f"{spec['path']} ({spec['split']})"
+
+
 def load(name: str, data_dir: str | Path) -> list[BenchProblem]:
-    path = _file(name, data_dir)
-    df = pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_ndjson(path)
+    if str(data_dir) == "hub":
+        df, path = _from_hub(name)
+    else:
+        path = _file(name, data_dir)
+        df = pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_ndjson(path)
     for column in ("id", "problem", "answer"):
         if column not in df.columns:
             raise BenchmarkError(f"{path}: missing required column '{column}'")

@@ -108,3 +108,47 @@ def from_cache(cfg, store) -> tuple[pl.DataFrame, pl.DataFrame, list[tuple[str, 
             records += [{"method": method, "seed": seed, "update": e.summary["update"], "accuracy": e.summary[key]}
                         for e in evals if e]
     return pl.DataFrame(records), (pl.concat(curves) if curves else pl.DataFrame()), timings
+
+
+def benchmark_tables(finals: pl.DataFrame, n: int, ks: list[int]) -> tuple[str, str, pl.DataFrame, pl.DataFrame]:
+    """Seed Table 1 and Table 3 forms from final evaluations.
+
+    finals: method, seed, and each run's per-benchmark report rows (benchmark, mean_at_n,
+    pass_at_K...; the problem-weighted row is benchmark "avg"). Returns (table 1 md,
+    table 3 md, table 1 frame, table 3 frame): mean ± sample std over seeds of per-seed
+    values, the Avg column being each seed's problem-weighted average (spec 10)."""
+    score = f"mean_at_{n}"
+    t1 = (finals.group_by(["method", "benchmark"], maintain_order=True)
+          .agg(pl.col(score).mean().alias("mean"), pl.col(score).std(ddof=1).alias("std")))
+    benches = finals["benchmark"].unique(maintain_order=True).to_list()
+    methods = finals["method"].unique(maintain_order=True).to_list()
+    lines = [f"Accuracy ({score.replace('_at_', '@')}, %, mean ± sample std over seeds; avg = problem-weighted)", "",
+             "| method | " + " | ".join(benches) + " |", "|---" * (len(benches) + 1) + "|"]
+    for m in methods:
+        row = {r["benchmark"]: cell(r["mean"], r["std"]) for r in t1.filter(pl.col("method") == m).iter_rows(named=True)}
+        lines.append(f"| {m} | " + " | ".join(row.get(b, "") for b in benches) + " |")
+    avg_name = benches[-1]
+    cols = [f"pass_at_{k}" for k in ks]
+    t3 = (finals.filter(pl.col("benchmark") == avg_name).group_by("method", maintain_order=True)
+          .agg([pl.col(c).mean().alias(f"{c}_mean") for c in cols] + [pl.col(c).std(ddof=1).alias(f"{c}_std") for c in cols]))
+    lines3 = [f"pass@K ({avg_name}, %, mean ± sample std over seeds)", "",
+              "| method | " + " | ".join(f"K={k}" for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+    for r in t3.iter_rows(named=True):
+        lines3.append(f"| {r['method']} | " + " | ".join(cell(r[f'{c}_mean'], r[f'{c}_std']) for c in cols) + " |")
+    return "\n".join(lines) + "\n", "\n".join(lines3) + "\n", t1, t3
+
+
+def pass_at_k_figure(t3: pl.DataFrame, ks: list[int], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for r in t3.iter_rows(named=True):
+        ax.plot(ks, [r[f"pass_at_{k}_mean"] for k in ks], marker="o", label=r["method"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("K")
+    ax.set_ylabel("pass@K")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -72,3 +72,15 @@ def test_evaluate_stage_on_benchmarks_writes_report_and_caches(tmp_path, base_ma
     assert "plain" in m.summary["prompt_template"] and "\\boxed{}" in m.path("report_md").read_text()
     again = evaluate.run(cfg, {"model": base_manifest}, store=store)
     assert again.cache_hit and again.key == m.key
+
+
+def test_hub_path_through_datasets_library(monkeypatch):
+    """The `datasets` code path, offline: the parquet builder on the local file stands in
+    for a hub id (load_dataset takes both the same way)."""
+    from pipeline import benchmarks
+    monkeypatch.setitem(benchmarks.HUB, "math500", {"path": "parquet", "data_files": str(DATA / "math500.parquet"),
+                                                    "split": "train", "id": "id"})
+    via_hub = load("math500", "hub")
+    assert via_hub == load("math500", DATA)
+    with pytest.raises(BenchmarkError, match="'olympiadbench' has no default dataset id"):
+        load("olympiadbench", "hub")

@@ -37,3 +37,22 @@ def test_markdown_and_files(tmp_path):
     assert "| method | update 0 | update 16 |" in md and "| ggpo | 40.00 ± 2.00 | 53.00 ± 3.00 |" in md
     assert pl.read_csv(paths["csv"]).height == 4
     assert paths["figure"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_benchmark_tables_table1_and_passk(tmp_path):
+    rows = []
+    for method, base in (("grpo", 0.40), ("ggpo", 0.50)):
+        for seed, shift in ((1, 0.0), (2, 0.02)):
+            for bench, n_p, score in (("math500", 500, base + shift), ("aime24", 30, base / 4 + shift), ("avg", 530, None)):
+                value = score if score is not None else (500 * (base + shift) + 30 * (base / 4 + shift)) / 530
+                rows.append({"method": method, "seed": seed, "benchmark": bench, "problems": n_p, "mean_at_8": value,
+                             "pass_at_1": value, "pass_at_8": min(1.0, 2 * value)})
+    t1_md, t3_md, t1, t3 = report.benchmark_tables(pl.DataFrame(rows), 8, [1, 8])
+    assert "| method | math500 | aime24 | avg |" in t1_md
+    ggpo_avg = t1.filter((pl.col("method") == "ggpo") & (pl.col("benchmark") == "avg")).row(0, named=True)
+    per_seed = [(500 * (0.5 + s) + 30 * (0.125 + s)) / 530 for s in (0.0, 0.02)]
+    assert ggpo_avg["mean"] == pytest.approx(sum(per_seed) / 2)
+    assert ggpo_avg["std"] == pytest.approx(abs(per_seed[0] - per_seed[1]) / math.sqrt(2))
+    assert "| method | K=1 | K=8 |" in t3_md and t3["method"].to_list() == ["grpo", "ggpo"]
+    report.pass_at_k_figure(t3, [1, 8], tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

@@ -78,7 +78,9 @@ def test_deployment_runs_and_mlflow_shows_everything(services):
     inputs = by_name["filter-seed42"].get("inputs", {}).get("dataset_inputs", [])
     assert inputs and inputs[0]["dataset"]["name"].startswith("train_pool-")
     report = api(mlflow, f"/api/2.0/mlflow/artifacts/list?run_id={parent['info']['run_id']}&path=report")["files"]
-    assert {"report/report.md", "report/report.csv", "report/curves.png"} <= {f["path"] for f in report}
+    assert {"report/report.md", "report/report.csv", "report/curves.png", "report/benchmarks.md",
+            "report/benchmarks.csv", "report/pass_at_k.md", "report/pass_at_k.csv", "report/pass_at_k.png"} \
+        <= {f["path"] for f in report}
 
 
 def test_second_deployment_run_is_all_cache_hits(services):
