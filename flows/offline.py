@@ -86,8 +86,7 @@ def collect(pending: list[tuple[dict, PrefectFuture]], cfg: PipelineConfig) -> t
                 finals.append(pl.read_csv(manifest.path("report_csv"))
                               .with_columns(pl.lit(stub["method"]).alias("method"), pl.lit(stub["seed"]).alias("seed")))
         else:
-            curves.append(pl.read_parquet(manifest.path("metrics"), columns=["update", "abs_log_ratio", "ess", "grad_norm"])
-                          .with_columns(pl.lit(stub["method"]).alias("method"), pl.lit(stub["seed"]).alias("seed")))
+            curves.append(report.training_curves(manifest, stub["method"], stub["seed"]))
     return records, curves, finals
 
 

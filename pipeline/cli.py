@@ -16,7 +16,7 @@ import sys
 import urllib.request
 
 from pipeline import dag, paths, services
-from pipeline.config import ConfigError, load_config, preset_names
+from pipeline.config import ConfigError, load_config, parse_overrides, preset_names
 from pipeline.store import Store
 
 
@@ -81,14 +81,7 @@ def cmd_run(args) -> int:
 
 
 def _overrides(args) -> dict:
-    from pipeline.config import parse_value
-    out = {}
-    for item in args.overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set expects key=value, got '{item}'")
-        k, v = item.split("=", 1)
-        out[k.strip()] = parse_value(v.strip())
-    return out
+    return parse_overrides(args.overrides)
 
 
 def ensure_prefect_api() -> None:

@@ -219,6 +219,17 @@ def parse_value(raw: str) -> Any:
     return raw
 
 
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """["train.lr=1e-5", ...] -> {"train.lr": 1e-5, ...}."""
+    pairs = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got '{item}'")
+        k, v = item.split("=", 1)
+        pairs[k.strip()] = parse_value(v.strip())
+    return pairs
+
+
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     *parents, leaf = dotted.split(".")
     node = tree
@@ -237,13 +248,7 @@ def load_config(preset: str = "tiny", overrides: dict[str, Any] | list[str] | No
     tree = tomllib.loads(path.read_text())
     items = overrides or {}
     if isinstance(items, list):
-        pairs = {}
-        for item in items:
-            if "=" not in item:
-                raise ConfigError(f"--set expects key=value, got '{item}'")
-            k, v = item.split("=", 1)
-            pairs[k.strip()] = parse_value(v.strip())
-        items = pairs
+        items = parse_overrides(items)
     for key, value in items.items():
         _set_dotted(tree, key, value)
     try:

@@ -13,6 +13,12 @@ from pathlib import Path
 import polars as pl
 
 
+def training_curves(trained, method: str, seed: int) -> pl.DataFrame:
+    """The figure's per-update series of one training manifest, labelled by method and seed."""
+    return (pl.read_parquet(trained.path("metrics"), columns=["update", "abs_log_ratio", "ess", "grad_norm"])
+            .with_columns(pl.lit(method).alias("method"), pl.lit(seed).alias("seed")))
+
+
 def summarize(evals: pl.DataFrame) -> pl.DataFrame:
     """evals: method, seed, update, accuracy -> method, update, mean, std, seeds."""
     order = {m: i for i, m in enumerate(evals["method"].unique(maintain_order=True).to_list())}
@@ -99,8 +105,7 @@ def from_cache(cfg, store) -> tuple[pl.DataFrame, pl.DataFrame, list[tuple[str, 
             trained = load("train", cm)
             timings.append((f"train {method} seed {seed}", trained.seconds if trained else None))
             if trained:
-                curves.append(pl.read_parquet(trained.path("metrics"), columns=["update", "abs_log_ratio", "ess", "grad_norm"])
-                              .with_columns(pl.lit(method).alias("method"), pl.lit(seed).alias("seed")))
+                curves.append(training_curves(trained, method, seed))
             evals = [base_eval] + [load("evaluate", cm.updated({"eval.update": u}))
                                    for u in cm.train.snapshot_updates() + [None]]
             for e in evals[1:]:
