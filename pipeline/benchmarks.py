@@ -8,7 +8,9 @@ have no agreed id, so they need files). Required columns: id, problem, answer. `
 answer and every alternative form the file offers (Minerva's `answer_latex`, which
 rewrites e-notation that math-verify would read as Euler's e); a grader accepts a match
 on any of them. Sizes of the problem-weighted average (spec 10): OlympiadBench counts 674
-there although the file has 675 rows.
+there although the file has 675 rows. JSONL files are parsed line by line, so a malformed
+line is reported with its line number. `content_key` gives the sha256 of each benchmark
+file an evaluation reads, for the evaluate stage's cache key.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def _file(name: str, data_dir: str | Path) -> Path:
         path = Path(data_dir) / f"{name}{suffix}"
         if path.exists():
             return path
-    raise BenchmarkError(f"benchmark '{name}': no {name}.parquet or {name}.jsonl in {data_dir}")
+    raise BenchmarkError(f"benchmark '{name}': no {name}.parquet or {name}.jsonl in {data_dir}; "
+                         f"--set eval.data_dir=FOLDER to a folder that has it")
 
 
 def _from_hub(name: str) -> tuple[pl.DataFrame, str]:
@@ -68,12 +71,22 @@ def _from_hub(name: str) -> tuple[pl.DataFrame, str]:
     return df.with_columns(pl.col("id").cast(pl.Utf8)) if "id" in df.columns else df, f"{spec['path']} ({spec['split']})"
 
 
+def content_key(names: list[str], data_dir: str | Path | None) -> dict[str, str]:
+    """{"benchmark/<name>": sha256 of its file} for a local folder; {} for the hub, whose
+    dataset ids (in the config) name the data."""
+    if not names or data_dir is None or str(data_dir) == "hub":
+        return {}
+    from pipeline.store import sha256_cached
+    return {f"benchmark/{name}": sha256_cached(_file(name, data_dir)) for name in names}
+
+
 def load(name: str, data_dir: str | Path) -> list[BenchProblem]:
     if str(data_dir) == "hub":
         df, path = _from_hub(name)
     else:
+        from pipeline.tasks import read_table     # here: config imports this module, tasks imports config
         path = _file(name, data_dir)
-        df = pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_ndjson(path)
+        df = read_table(path, BenchmarkError)
     for column in ("id", "problem", "answer"):
         if column not in df.columns:
             raise BenchmarkError(f"{path}: missing required column '{column}'")

@@ -4,6 +4,9 @@
   ggpo run offline [--preset P] [--set k=v ...] [--force STAGE ...]   the flow, in-process
   ggpo stage NAME [--preset P] [--set k=v ...] [--force]  one stage from cached inputs
   ggpo cache ls                           artifacts: stage, key, rows, size, created
+  ggpo cache verify                       re-hash every artifact against its manifest
+  ggpo cache gc [--yes] [--all] [--unreferenced]  remove interrupted builds and unreachable artifacts
+  ggpo --debug ...                        show the traceback of an expected error too
   ggpo report [--preset P] [--set k=v ...]  stage timings and the comparison table, from the cache
 """
 from __future__ import annotations
@@ -16,8 +19,8 @@ import sys
 import urllib.request
 
 from pipeline import dag, paths, services
-from pipeline.config import ConfigError, load_config, parse_overrides, preset_names
-from pipeline.store import Store
+from pipeline.config import PRESET_DIR, ConfigError, load_config, parse_overrides, preset_names
+from pipeline.store import DamagedArtifact, Store, gc_plan, verify_all
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +31,7 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ggpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--debug", action="store_true", help="show tracebacks of expected errors too")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start Prefect, MLflow and the deployment server")
     up.add_argument("--prefect-port", type=int, default=None)
@@ -44,9 +48,18 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--force", action="store_true", help="recompute even if cached")
     st.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     cache = sub.add_parser("cache", help="inspect the artifact store")
-    cache.add_argument("action", choices=["ls"])
+    cache.add_argument("action", choices=["ls", "verify", "gc"],
+                       help="ls: list; verify: re-hash all files (exit 2 if any is damaged); "
+                            "gc: what to remove (dry run unless --yes)")
+    cache.add_argument("--yes", action="store_true", help="gc: really delete")
+    cache.add_argument("--all", action="store_true", help="gc: also interrupted training runs that could resume")
+    cache.add_argument("--unreferenced", action="store_true",
+                       help="gc: also artifacts no cached manifest uses and no preset's experiment expects "
+                            "(this includes the results of runs with other --set options)")
     rep = sub.add_parser("report", help="stage timings and the comparison table of the cached experiment")
     _config_args(rep)
+    for command in sub.choices.values():     # `ggpo stage X --debug` works as well as `ggpo --debug stage X`
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return ap
 
 
@@ -55,6 +68,8 @@ def cmd_up(args) -> int:
     word = "already up" if state.get("already_up") else "up"
     print(f"ggpo services {word} (state: {paths.state_dir()})")
     print(f"  Prefect UI: {state['urls']['prefect_ui']}\n  MLflow UI:  {state['urls']['mlflow']}")
+    from pipeline import tracking
+    print(f"  MLflow runs and charts: {tracking.experiment_link(state['urls']['mlflow'])}")
     print("  deployment: ggpo/offline  (prefect deployment run ggpo/offline --watch)")
     return 0
 
@@ -73,11 +88,32 @@ def cmd_status(args) -> int:
 def cmd_run(args) -> int:
     ensure_prefect_api()
     from flows.offline import ggpo
-    result = ggpo(preset=args.preset, overrides=_overrides(args), force=args.force)
+    from pipeline import stage
+    if not args.debug:
+        for name in ("prefect.task_runs", "prefect.flow_runs"):
+            logging.getLogger(name).addFilter(drop_expected_tracebacks)
+    stage.clear_failures()
+    try:
+        result = ggpo(preset=args.preset, overrides=_overrides(args), force=args.force)
+    except Exception as exc:
+        # the flow fails on "upstream task did not complete": name the stage failure behind it
+        cause = next((e for _, e in stage.failures() if expected_error(e) is not None), None)
+        if cause is None or expected_error(exc) is not None:
+            raise
+        raise cause from exc
     print(result["table"])
     print(json.dumps(result["summary"], indent=2))
     print(f"MLflow parent run {result['mlflow_parent_run_id']}")
     return 0
+
+
+def drop_expected_tracebacks(record: logging.LogRecord) -> bool:
+    """Keep Prefect's one-line failure record of an expected error, without its traceback
+    (and without that of the flow's follow-up "unfinished upstream" error); --debug keeps them."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if exc is not None and (expected_error(exc) is not None or type(exc).__name__ == "UnfinishedRun"):
+        record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _overrides(args) -> dict:
@@ -85,22 +121,38 @@ def _overrides(args) -> dict:
 
 
 def ensure_prefect_api() -> None:
-    """Use the local server when it answers; else Prefect's in-process ephemeral API, not a
-    dead URL from prefect.toml."""
+    """Use the local server when it answers; else start Prefect's temporary server and point
+    PREFECT_API_URL at it, never at the dead URL of prefect.toml.
+
+    Must run before `import prefect`: Prefect reads its settings once, at import.
+    Why not leave the URL empty: Prefect 3.9 treats PREFECT_API_URL="" as "no server" for
+    flow runs (it starts its temporary server) but as "a running server" for events, so
+    every event went to a websocket at "" and failed ("Error emitting event", "Service
+    'EventsWorker' failed"). With one explicit URL both go to the same temporary server."""
     url = os.environ.get("PREFECT_API_URL") or f"http://127.0.0.1:{paths.prefect_port()}/api"
     if services.healthy(f"{url}/health"):
         os.environ["PREFECT_API_URL"] = url
         return
-    os.environ["PREFECT_API_URL"] = ""
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_HOME", str(paths.state_dir() / "prefect"))
     # Prefect creates its home without parents and then fails to open its database
     os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
+    port = services.free_port()
+    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+    from prefect.server.api.server import SubprocessASGIServer
+    server = SubprocessASGIServer(port)
+    server.start()          # stopped by Prefect's own atexit hook
+    if server.api_url != os.environ["PREFECT_API_URL"]:   # port taken between our check and its bind
+        server.stop()
+        raise services.ServiceError(f"Prefect's temporary server could not bind port {port}; run again, "
+                                    "or start the servers with `ggpo up`")
 
 
 def cmd_stage(args) -> int:
     cfg = load_config(args.preset, _overrides(args))
+    from pipeline.runtime import preflight
+    preflight(cfg)      # device, engine, model folder, budgets: fail before any work
     store = Store()
     inputs = dag.cached_inputs(args.name, cfg, store, args.preset)
     manifest = dag.run(args.name, cfg, inputs, store, args.force)
@@ -118,6 +170,10 @@ def cmd_stage(args) -> int:
 
 def cmd_cache(args) -> int:
     store = Store()
+    if args.action == "verify":
+        return cache_verify(store)
+    if args.action == "gc":
+        return cache_gc(store, args)
     print(f"{'stage':9s} {'key':16s} {'rows':>8s} {'size':>10s}  created")
     for m in store.entries():
         rows = sum(e.rows or 0 for e in m.files.values())
@@ -125,6 +181,46 @@ def cmd_cache(args) -> int:
         print(f"{m.stage:9s} {m.key[:16]} {rows:8d} {size / 1024:9.1f}K  {m.created_at}")
     print(f"root: {store.root}")
     return 0
+
+
+def cache_verify(store: Store) -> int:
+    import time
+    start = time.perf_counter()
+    artifacts, files, size, problems = verify_all(store)
+    for problem in problems:
+        print(problem)
+    print(f"{artifacts} artifacts, {files} files, {size / 2**20:.1f} MiB re-hashed in "
+          f"{time.perf_counter() - start:.2f}s under {store.root}: "
+          + (f"{len(problems)} damaged (`ggpo stage NAME --force` or the flow rebuilds them)" if problems else "all intact"))
+    return 2 if problems else 0
+
+
+def cache_gc(store: Store, args) -> int:
+    import shutil
+    versions = {name: dag.spec(name).version for name in dag.STAGE_NAMES}
+    protected = preset_experiment_keys() if args.unreferenced else None
+    plan = gc_plan(store, versions, protected, args.all)
+    for folder, why, size in plan:
+        print(f"{'removing' if args.yes else 'would remove'} {folder.name:28s} {size / 1024:10.1f}K  {why}")
+        if args.yes:
+            shutil.rmtree(folder)
+    total = sum(size for _, _, size in plan)
+    verb = "removed" if args.yes else "would free (dry run; --yes deletes)"
+    print(f"{len(plan)} folders, {total / 2**20:.1f} MiB {verb} under {store.root}")
+    return 0
+
+
+def preset_experiment_keys() -> set[tuple[str, str]]:
+    """(stage, key) of everything the offline flow builds for each preset as shipped."""
+    keys = set()
+    for name in preset_names():
+        try:
+            keys |= dag.experiment_keys(load_config(name))
+        except Exception as exc:    # e.g. a preset whose benchmark files are not here
+            raise ConfigError(f"cache gc --unreferenced: the keys of preset '{name}' cannot be computed "
+                              f"({str(exc).splitlines()[0]}), so it would not know what to keep; "
+                              f"run `ggpo cache gc` without --unreferenced") from None
+    return keys
 
 
 def cmd_report(args) -> int:
@@ -155,14 +251,45 @@ COMMANDS = {"up": cmd_up, "down": cmd_down,
             "status": cmd_status, "run": cmd_run, "stage": cmd_stage, "cache": cmd_cache, "report": cmd_report}
 
 
+def expected_error(exc: BaseException) -> str | None:
+    """The message of an expected failure (bad config or data, missing or damaged input,
+    training stopped, server trouble) with what to do; None for a bug, which keeps its
+    traceback."""
+    from pydantic import ValidationError
+    from pipeline.benchmarks import BenchmarkError
+    from pipeline.tasks import DatasetError
+    train_loop = sys.modules.get("stages.train.loop")   # TrainingError exists only once training ran
+    if isinstance(exc, ValidationError) or isinstance(exc.__context__, ValidationError) and isinstance(exc, ConfigError):
+        invalid = exc if isinstance(exc, ValidationError) else exc.__context__
+        head = str(exc).splitlines()[0].rstrip(":") if isinstance(exc, ConfigError) else "invalid config"
+        fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
+                           for e in invalid.errors())
+        return f"{head}: {fields}; fix the --set option or the preset file in {PRESET_DIR}"
+    if isinstance(exc, DatasetError):
+        return f"{exc} (fix the file, or pick a prompt set: --set task.name=digit_sort|arithmetic|PATH)"
+    if isinstance(exc, BenchmarkError):
+        return f"{exc} (fix the file; eval.data_dir is a folder of <benchmark>.parquet/.jsonl files, or 'hub')"
+    if train_loop and isinstance(exc, train_loop.TrainingError):
+        if "non-finite" not in str(exc):
+            return str(exc)
+        return (f"training stopped: {exc}; try a smaller learning rate (--set train.lr=...) or a larger "
+                f"train.beta, which starts a new run; the same command resumes from the checkpoint")
+    if isinstance(exc, (ConfigError, dag.MissingInput, DamagedArtifact, services.ServiceError)):
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per Prefect API call otherwise
     try:
         return COMMANDS[args.cmd](args)
-    except (ConfigError, dag.MissingInput, services.ServiceError) as exc:
-        print(f"ggpo: {exc}", file=sys.stderr)
+    except Exception as exc:
+        message = None if args.debug else expected_error(exc)
+        if message is None:
+            raise
+        print(f"ggpo: {message}", file=sys.stderr)
         return 2
 
 

@@ -4,22 +4,49 @@ Status codes: `ok` (parsed and compared; reward 1 or 0), `no_answer` (no `\\boxe
 `parse_error` (a box math-verify cannot parse), `timeout` (over the per-response limit).
 Only `ok` can earn reward 1. math-verify's own signal timeouts are disabled and replaced
 by one interval timer around parse+verify, so the limit is a float and covers both.
-Grading runs in worker processes (one per core by default); signals need each worker's
-main thread, which is where the pool runs them. Small batches on the main thread are
-graded in-process.
+
+`grade_many(responses, answers, timeout_s, workers=0, chunk=None, progress=None)` grades
+a batch and returns (reward, status, seconds) per response, in order:
+- `workers == 1` on the main thread: graded in-process (the timer is a signal, which only
+  a main thread receives). Otherwise in the process-wide worker pool.
+- The pool is one per process, started lazily on first use (spawn context; each worker
+  imports and exercises math-verify once, ~1 s) and reused by every later call, from any
+  thread, so the verify and evaluate stages of a flow pay the start once. `workers=0`
+  sizes it to all cores; a call asking for another size rebuilds it when no other call
+  is using it (else it shares the current one); a call asking for 1 worker (off the main
+  thread: for the timer, not for speed) uses any pool there is. Closed at exit.
+- Work goes out in chunks of ceil(n / (4 * pool workers)) responses (1..256), so small
+  batches use every worker too. Workers report each response as it finishes, so `progress(k)` is
+  called (in the calling thread) with the number of newly finished responses, and
+  results already graded are never lost.
+- A worker is stuck when one response runs past `timeout_s + STUCK_GRACE_S` (its timer
+  could not fire: a long call in C, a stopped process) or when the pool sends nothing for
+  that long with work waiting. The pool is then killed and rebuilt; the stuck response is
+  `timeout`, everything not yet graded is graded by the new pool. A response whose worker
+  died under it twice is `timeout` too.
 """
 from __future__ import annotations
 
+import atexit
+import itertools
 import logging
+import math
+import multiprocessing as mp
 import os
 import signal
 import threading
 import time
-from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
+from collections import Counter
 from functools import lru_cache
-import multiprocessing as mp
+from typing import Callable
 
 STATUSES = ("ok", "no_answer", "parse_error", "timeout")
+STUCK_GRACE_S = 2.0     # past its limit, a response is stuck: the timer repeats every 20 ms
+STARTUP_S = 180.0       # a pool with no worker ready after this long is an error
+_TICK_S = 0.25          # how often waiting callers check the pool's health
+
+log = logging.getLogger("ggpo")
+Result = tuple[float, str, float]
 
 
 class _Timeout(Exception):
@@ -50,7 +77,7 @@ def _grade_untimed(response: str, answers: tuple[str, ...]) -> tuple[float, str]
     return 0.0, "ok"
 
 
-def grade(response: str, answers: tuple[str, ...], timeout_s: float) -> tuple[float, str, float]:
+def grade(response: str, answers: tuple[str, ...], timeout_s: float) -> Result:
     """(reward, status, seconds) for one response. Must run in a main thread.
 
     math-verify catches exceptions internally (also our timer's), so the timer repeats
@@ -81,33 +108,321 @@ def warm_up() -> None:
     _grade_untimed("\\boxed{1}", ("1",))
 
 
-def _grade_chunk(items: list[tuple[str, tuple[str, ...]]], timeout_s: float):
-    return [grade(resp, answers, timeout_s) for resp, answers in items]
+def default_workers() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not on Linux
+        return os.cpu_count() or 1
 
+
+# ---------------------------------------------------------------- worker processes
+
+def _worker_main(tasks, results) -> None:
+    """Grade chunks from `tasks` until killed. Messages to the parent on the pipe `results`:
+    ("ready", pid), ("start", pid, call, idx), ("done", pid, call, idx, result, next_idx).
+    Sent directly, not through a queue's feeder thread, which cost ~40% of the rate on a
+    busy machine; each message is far below PIPE_BUF, so concurrent writes never interleave
+    (one write() each) and no lock is needed that a killed worker could leave held."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    warm_up()
+    pid = os.getpid()
+    results.send(("ready", pid))
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        call_id, timeout_s, items = task
+        results.send(("start", pid, call_id, items[0][0]))
+        for k, (idx, response, answers) in enumerate(items):
+            result = grade(response, answers, timeout_s)
+            following = items[k + 1][0] if k + 1 < len(items) else None
+            results.send(("done", pid, call_id, idx, result, following))
+
+
+# ---------------------------------------------------------------- the pool (parent side)
+# All state below is guarded by _LOCK: the pool, the registry of waiting calls, and
+# each call's results. Calling threads and the pool's collector thread take it briefly.
+
+_LOCK = threading.Lock()
+_POOL: _Pool | None = None
+_CALLS: dict[int, _Call] = {}
+_IDS = itertools.count()
+_ATEXIT = False
+
+
+class _Call:
+    """One grade_many call waiting on the pool."""
+
+    def __init__(self, items: list, timeout_s: float, chunk: int):
+        self.id, self.items, self.timeout_s, self.chunk = next(_IDS), items, timeout_s, chunk
+        self.results: list[Result | None] = [None] * len(items)
+        self.remaining = len(items)
+        self.crashes: Counter = Counter()    # idx -> times its worker died under it
+        self.fruitless_restarts = 0
+        self.error: str | None = None
+        self.wake = threading.Event()
+
+    def deliver(self, idx: int, result: Result) -> None:
+        if self.results[idx] is None:        # the first result wins (a regrade may race)
+            self.results[idx] = tuple(result)
+            self.remaining -= 1
+            self.wake.set()
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        self.wake.set()
+
+
+class _Pool:
+    """`size` spawned workers sharing one task queue and one result queue."""
+
+    def __init__(self, size: int):
+        ctx = mp.get_context("spawn")
+        self.size = size
+        self.tasks = ctx.Queue()
+        self.tasks.cancel_join_thread()      # abandoned when torn down: never block exit
+        self.results, writer = ctx.Pipe(duplex=False)
+        self.procs = [ctx.Process(target=_worker_main, args=(self.tasks, writer),
+                                  daemon=True, name=f"ggpo-grader-{i}") for i in range(size)]
+        for p in self.procs:
+            p.start()
+        writer.close()                       # the workers hold it; EOF once they are all gone
+        self.started = self.last_message = time.monotonic()
+        self.ready: set[int] = set()
+        self.graded: Counter = Counter()     # pid -> responses graded
+        self.inflight: dict[int, tuple[int, int, float, float]] = {}  # pid -> (call, idx, since, limit)
+        self.closed = False
+        threading.Thread(target=self._collect, daemon=True, name="ggpo-grading-collector").start()
+
+    def _collect(self) -> None:
+        try:
+            while not self.closed:
+                if not self.results.poll(_TICK_S):
+                    continue
+                msg = self.results.recv()
+                with _LOCK:
+                    if self.closed:
+                        return
+                    self._route(msg)
+        except (EOFError, OSError):          # every worker gone (killed)
+            return
+        finally:
+            self.results.close()             # here, never under a poll in progress
+
+    def _route(self, msg: tuple) -> None:
+        now = self.last_message = time.monotonic()
+        kind, pid = msg[0], msg[1]
+        if kind == "ready":
+            self.ready.add(pid)
+            return
+        call = _CALLS.get(msg[2])
+        limit = (call.timeout_s if call else 60.0) + STUCK_GRACE_S
+        if kind == "start":
+            self.inflight[pid] = (msg[2], msg[3], now, limit)
+            return
+        _, _, call_id, idx, result, following = msg
+        self.graded[pid] += 1
+        if call is not None:
+            call.deliver(idx, result)
+        if following is None:
+            self.inflight.pop(pid, None)
+        else:
+            self.inflight[pid] = (call_id, following, now, limit)
+
+    def submit(self, call: _Call) -> None:
+        todo = [i for i, r in enumerate(call.results) if r is None]
+        for start in range(0, len(todo), call.chunk):
+            part = todo[start:start + call.chunk]
+            self.tasks.put((call.id, call.timeout_s, [(i, *call.items[i]) for i in part]))
+
+    def close(self) -> None:
+        self.closed = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+
+def _ensure_pool(size: int) -> _Pool:
+    """The process's pool, at `size` workers unless another call is using it. Under _LOCK."""
+    global _POOL, _ATEXIT
+    if _POOL is not None and size == 1:
+        return _POOL                         # one worker is asked for the timer, not for speed
+    if _POOL is not None and _POOL.size != size and not _CALLS:
+        _POOL.close()
+        _POOL = None
+    if _POOL is None:
+        _POOL = _Pool(size)
+        if not _ATEXIT:
+            atexit.register(close_pool)
+            _ATEXIT = True
+    return _POOL
+
+
+def close_pool() -> None:
+    """Kill the worker pool (at exit; or to start over). The next pooled call starts one."""
+    with _LOCK:
+        _fail_all("the grading pool was closed while this call waited")   # calls waiting: none, usually
+
+
+def _forget_after_fork() -> None:
+    # a forked child inherits neither the workers nor the collector thread (which may
+    # have held the lock at the fork): it starts its own pool when it needs one
+    global _LOCK, _POOL, _CALLS
+    _LOCK, _POOL, _CALLS = threading.Lock(), None, {}
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def start_pool(workers: int = 0) -> None:
+    """Start the pool now (it warms up in the background), e.g. while rollouts run."""
+    with _LOCK:
+        _ensure_pool(workers or default_workers())
+
+
+def pool_info() -> dict:
+    """The current pool: worker pids, responses graded per pid, responses in flight
+    ({pid: (index, seconds so far)}), workers ready. Empty when none is running."""
+    with _LOCK:
+        if _POOL is None:
+            return {}
+        now = time.monotonic()
+        return {"pids": [p.pid for p in _POOL.procs], "graded": dict(_POOL.graded),
+                "ready": len(_POOL.ready),
+                "inflight": {pid: (rec[1], now - rec[2]) for pid, rec in _POOL.inflight.items()}}
+
+
+# ---------------------------------------------------------------- health checks
+
+_LAST_WATCH = 0.0
+
+
+def _watch() -> None:
+    """Replace a stuck, crashed or silent pool; fail the calls if it cannot start. Under _LOCK."""
+    global _LAST_WATCH, _POOL
+    pool, now = _POOL, time.monotonic()
+    if pool is None or pool.closed or not _CALLS or now - _LAST_WATCH < _TICK_S:
+        return
+    _LAST_WATCH = now
+    dead = [p for p in pool.procs if not p.is_alive()]
+    for p in dead:
+        if p.pid not in pool.ready:
+            return _fail_all(f"a grading worker exited with code {p.exitcode} before it was ready (its "
+                             "traceback is above: a worker imports math-verify and the main script, "
+                             "which must be a file that runs only under `if __name__ == '__main__'`)")
+    if not pool.ready:
+        if now - pool.started > STARTUP_S:
+            _fail_all(f"no grading worker was ready after {STARTUP_S:.0f} s; is the machine overloaded?")
+        return
+    stuck = {pid for pid, (_, _, since, limit) in pool.inflight.items() if now - since > limit}
+    silent_for = now - pool.last_message
+    stalled = silent_for > max(c.timeout_s for c in _CALLS.values()) + STUCK_GRACE_S
+    if not (dead or stuck or stalled):
+        return
+    reason = (f"{len(stuck)} worker(s) stuck past the time limit" if stuck else
+              f"{len(dead)} worker(s) died" if dead else f"no word from the workers for {silent_for:.1f} s")
+    _restart(pool, stuck, {p.pid for p in dead}, now, reason)
+
+
+def _restart(pool: _Pool, stuck: set[int], dead: set[int], now: float, reason: str) -> None:
+    """Kill `pool`, mark the responses it was stuck on `timeout`, regrade the rest anew."""
+    global _POOL
+    blamed = 0
+    for pid, (call_id, idx, since, _) in pool.inflight.items():
+        call = _CALLS.get(call_id)
+        if call is None:
+            continue
+        if pid in dead:
+            call.crashes[idx] += 1           # a second death under the same response convicts it
+        if pid in stuck or call.crashes[idx] >= 2:
+            call.deliver(idx, (0.0, "timeout", now - since))
+            blamed += 1
+    left = sum(c.remaining for c in _CALLS.values())
+    log.warning("grading: %s; replacing the %d-worker pool (%d response(s) marked timeout, %d left to grade)",
+                reason, pool.size, blamed, left)
+    pool.close()
+    _POOL = None
+    try:
+        _POOL = _Pool(pool.size)
+    except Exception as e:   # e.g. out of processes: fail the waiting calls, never leave them hanging
+        return _fail_all(f"could not restart the grading workers: {e}")
+    for call in _CALLS.values():
+        call.fruitless_restarts = 0 if blamed else call.fruitless_restarts + 1
+        if call.fruitless_restarts > 3:
+            call.fail(f"the grading pool was replaced {call.fruitless_restarts} times without progress "
+                      f"({reason}); rerun with verify.workers=1 on the main thread to see the failing response")
+        elif call.remaining:
+            _POOL.submit(call)
+
+
+def _fail_all(message: str) -> None:
+    global _POOL
+    for call in _CALLS.values():
+        call.fail(message)
+    if _POOL is not None:
+        _POOL.close()
+    _POOL = None
+
+
+# ---------------------------------------------------------------- the entry point
 
 def grade_many(responses: list[str], answers: list[tuple[str, ...]], timeout_s: float,
-               workers: int = 0, chunk: int = 256) -> list[tuple[float, str, float]]:
-    """Grade in `workers` processes (0 = all cores). A chunk that overruns its whole
-    budget (a limit that failed to fire inside C code) is marked `timeout`: never hang."""
-    items = list(zip(responses, answers))
-    workers = workers or os.cpu_count() or 1
-    chunks = [items[i:i + chunk] for i in range(0, len(items), chunk)]
-    # the time limit is a signal, which only the main thread receives: off it (a flow
-    # runs stages in threads) grading always goes to worker processes
-    on_main = threading.current_thread() is threading.main_thread()
-    if on_main and (workers == 1 or len(items) < 64):
-        warm_up()
-        return _grade_chunk(items, timeout_s)
-    results = []
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
-                               initializer=warm_up)
-    try:
-        futures = [pool.submit(_grade_chunk, c, timeout_s) for c in chunks]
-        for c, fut in zip(chunks, futures):
-            try:
-                results.extend(fut.result(timeout=timeout_s * len(c) + 60))
-            except FutureTimeout:
-                results.extend([(0.0, "timeout", timeout_s)] * len(c))
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+               workers: int = 0, chunk: int | None = None,
+               progress: Callable[[int], None] | None = None) -> list[Result]:
+    """(reward, status, seconds) per response, in order; see the module docstring.
+    `workers`: 0 = all cores; `chunk`: responses per task (default: 4 tasks per worker);
+    `progress(k)`: called in this thread with the number of newly finished responses."""
+    if len(responses) != len(answers):
+        raise ValueError(f"grade_many: {len(responses)} responses but {len(answers)} answer tuples")
+    items = [(r, tuple(a)) for r, a in zip(responses, answers)]
+    if not items:
+        return []
+    workers = workers or default_workers()
+    if workers == 1 and threading.current_thread() is threading.main_thread():
+        return _grade_here(items, timeout_s, progress)
+    return _grade_pooled(items, timeout_s, workers, chunk, progress)
+
+
+def _grade_here(items: list, timeout_s: float, progress) -> list[Result]:
+    warm_up()
+    results, unreported, last = [], 0, time.monotonic()
+    for response, answers in items:
+        results.append(grade(response, answers, timeout_s))
+        unreported += 1
+        if progress and (time.monotonic() - last > 0.1 or len(results) == len(items)):
+            progress(unreported)
+            unreported, last = 0, time.monotonic()
     return results
+
+
+def _grade_pooled(items: list, timeout_s: float, workers: int, chunk: int | None, progress) -> list[Result]:
+    with _LOCK:
+        pool = _ensure_pool(workers)
+        # 4 tasks per worker of the pool that runs them: every worker gets some, and a
+        # slow task cannot leave the others idle for long
+        call = _Call(items, timeout_s, chunk or min(256, max(1, math.ceil(len(items) / (4 * pool.size)))))
+        if not _CALLS:
+            pool.last_message = time.monotonic()   # an idle pool's silence was no stall
+        _CALLS[call.id] = call
+        pool.submit(call)
+    reported = 0
+    try:
+        while True:
+            call.wake.wait(_TICK_S)
+            call.wake.clear()
+            with _LOCK:
+                _watch()
+                done, error = len(items) - call.remaining, call.error
+            if progress and done > reported:
+                progress(done - reported)
+                reported = done
+            if error:
+                raise RuntimeError(f"grading {len(items)} responses: {error}")
+            if done == len(items):
+                return list(call.results)
+            time.sleep(0.02)   # let results gather: one wake per batch, not one per response
+    finally:
+        with _LOCK:
+            _CALLS.pop(call.id, None)

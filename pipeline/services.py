@@ -48,6 +48,13 @@ def port_free(port: int) -> bool:
             return False
 
 
+def free_port() -> int:
+    """A port on 127.0.0.1 that is free now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -85,7 +92,9 @@ def services(prefect_port: int, mlflow_port: int) -> list[Service]:
         Service("serve", [sys.executable, "-m", "flows.serve"],
                 f"{u['prefect_api']}/deployments/name/ggpo/offline",
                 prefect_env | {"MLFLOW_TRACKING_URI": u["mlflow"], "PREFECT_RUNNER_POLL_FREQUENCY": "1",
-                               "GGPO_CACHE": str(default_root()), "GGPO_HOME": str(state)}),
+                               "GGPO_CACHE": str(default_root()), "GGPO_HOME": str(state),
+                               # the stages' progress lines (logger "ggpo") in the Prefect UI's run logs
+                               "PREFECT_LOGGING_EXTRA_LOGGERS": "ggpo"}),
     ]
 
 

@@ -3,6 +3,13 @@
 A stage module defines `SPEC = StageSpec(...)` and a `build(config, inputs, folder)` that
 writes its files into `folder` and returns `Built`. `run_stage` turns that into the
 cached, atomic `run(config, inputs) -> Manifest` every stage exposes.
+
+Files a stage reads from outside the store enter its key by content: a stage that reads
+the `task` section and whose `task.name` is a file gets that file's sha256, and a spec's
+`extra_key(config)` adds more (evaluate: its benchmark files). Editing such a file in
+place therefore rebuilds what depends on it. Inputs are checked against their manifests
+(presence, size, Parquet footer, sha256) before a build reads them: a damaged input raises
+`DamagedArtifact` with one line, it is never read.
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from pipeline.config import PipelineConfig
-from pipeline.store import Manifest, Store, file_entry, now_iso, stage_key
+from pipeline.store import DamagedArtifact, Manifest, Store, check, file_entry, now_iso, stage_key
 
 log = logging.getLogger("ggpo")
 
@@ -33,6 +40,8 @@ class StageSpec:
     reads: tuple[str, ...]          # config sections that enter the key
     build: Callable[[PipelineConfig, dict[str, Manifest], Path], Built]
     keep_on_rebuild: tuple[str, ...] = ()   # e.g. checkpoints/, so a rerun resumes
+    # content hashes of files outside the store the stage reads: {"label": sha256}
+    extra_key: Callable[[PipelineConfig], dict[str, str]] | None = None
 
 
 # How many stage builds may run at once in this process (flows run stages in threads).
@@ -52,20 +61,69 @@ def build_slot() -> Iterator[None]:
         yield
 
 
+def content_key(spec: StageSpec, config: PipelineConfig) -> dict[str, str]:
+    """sha256 of each outside file the stage reads: the task file (when the stage reads
+    the task section and task.name is a path) and the spec's own `extra_key`."""
+    from pipeline import tasks
+    out = {}
+    if any(r == "task" or r.startswith("task.") for r in spec.reads):
+        out.update(tasks.content_key(config.task))
+    if spec.extra_key is not None:
+        out.update(spec.extra_key(config))
+    return out
+
+
 def key_for(spec: StageSpec, config: PipelineConfig, input_keys: dict[str, str]) -> str:
-    return stage_key(spec.name, spec.version, config.slice(spec.reads), input_keys)
+    return stage_key(spec.name, spec.version, config.slice(spec.reads), input_keys, content_key(spec, config))
+
+
+def verify_inputs(spec: StageSpec, inputs: dict[str, Manifest]) -> None:
+    """Raise DamagedArtifact (one line) when any input's files do not match its manifest."""
+    for name, manifest in sorted(inputs.items()):
+        problems = check(manifest)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise DamagedArtifact(
+                f"{spec.name}: input '{name}' is damaged: {problems[0]}{more}; rebuild it with "
+                f"`ggpo stage {manifest.stage} --force` (same --preset/--set) or rerun the flow, "
+                f"which rebuilds damaged artifacts")
+
+
+# Exceptions stage runs raised in this process, oldest first: a flow that fails reports
+# "upstream task not completed"; the CLI names the stage failure that caused it instead.
+_failures: list[tuple[str, Exception]] = []
+
+
+def failures() -> list[tuple[str, Exception]]:
+    """(stage, exception) of every failed stage run in this process since `clear_failures`."""
+    return list(_failures)
+
+
+def clear_failures() -> None:
+    _failures.clear()
 
 
 def run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manifest],
               store: Store | None = None, force: bool = False) -> Manifest:
+    try:
+        return _run_stage(spec, config, inputs, store, force)
+    except Exception as exc:
+        _failures.append((spec.name, exc))
+        raise
+
+
+def _run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manifest],
+               store: Store | None, force: bool) -> Manifest:
     store = store or Store()
     input_keys = {name: m.key for name, m in sorted(inputs.items())}
-    key = key_for(spec, config, input_keys)
+    content = content_key(spec, config)
+    key = stage_key(spec.name, spec.version, config.slice(spec.reads), input_keys, content)
     if not force:
         hit = store.load(spec.name, key)
         if hit is not None:
             log.info("%s: cache hit %s", spec.name, key[:16])
             return hit.model_copy(update={"cache_hit": True})
+    verify_inputs(spec, inputs)
     # a forced rerun starts from scratch; an interrupted one keeps what lets it resume
     folder = store.begin(spec.name, key, keep=() if force else spec.keep_on_rebuild)
     log.info("%s: building %s in %s", spec.name, key[:16], folder)
@@ -76,6 +134,6 @@ def run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manifes
         stage=spec.name, key=key, version=spec.version, folder=str(folder),
         config=config.slice(spec.reads), inputs=input_keys, files=files,
         summary=built.summary, created_at=now_iso(),
-        seconds=round(time.perf_counter() - start, 3),
+        seconds=round(time.perf_counter() - start, 3), content=content,
     )
     return store.commit(manifest)

@@ -2,17 +2,28 @@
 
 Every stage output is a folder `<root>/<stage>-<key[:16]>/` where key = sha256 of the
 canonical JSON of (stage name, stage version, the config fields the stage reads, the keys
-of its inputs). The folder holds the stage's files and `manifest.json`, written last
+of its inputs, and the sha256 of files outside the store it reads). The folder holds the stage's files and `manifest.json`, written last
 (temp file, fsync, rename). A folder without a manifest is an interrupted build: it is
 never read, and the next run rebuilds it (a resumable stage such as training keeps its
 `checkpoints/` and resumes from them). Root: `$GGPO_CACHE`, default `./data/cache`.
+
+Integrity: an artifact is read only when its files match its manifest. `check` looks at
+presence and size of every file, the footer of every Parquet file (last 4 bytes `PAR1`
+and a footer length that fits) and the sha256; a file's hash is computed once per process
+for a given (path, size, mtime, inode), so a cache hit costs a `stat` per file after the
+first look. `load` treats a damaged artifact like an interrupted build (None, with a
+warning), so `run_stage` rebuilds it; `inspect` says what is wrong. Each problem is one
+line naming the artifact folder, the file and what is wrong. `verify_all` re-hashes
+everything (`ggpo cache verify`); `gc_plan` says what `ggpo cache gc` may remove.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +32,11 @@ from pydantic import BaseModel
 
 CACHE_ENV = "GGPO_CACHE"
 MANIFEST = "manifest.json"
+log = logging.getLogger("ggpo")
+
+
+class DamagedArtifact(RuntimeError):
+    """A cached artifact whose files do not match its manifest; the message is one line."""
 
 
 class FileEntry(BaseModel):
@@ -43,6 +59,7 @@ class Manifest(BaseModel):
     created_at: str
     seconds: float
     cache_hit: bool = False
+    content: dict[str, str] = {}     # sha256 of files outside the store the stage reads (task, benchmarks)
 
     def path(self, name: str) -> Path:
         return Path(self.folder) / self.files[name].path
@@ -52,8 +69,11 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-def stage_key(stage: str, version: int, config: dict, inputs: dict[str, str]) -> str:
+def stage_key(stage: str, version: int, config: dict, inputs: dict[str, str],
+              content: dict[str, str] | None = None) -> str:
     payload = {"stage": stage, "version": version, "config": config, "inputs": inputs}
+    if content:     # only when present, so keys of stages that read no outside file stay as they were
+        payload["content"] = content
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()
 
 
@@ -63,6 +83,97 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# (path, size, mtime_ns, inode) -> sha256: a file is hashed once per process unless it changes
+_hashes: dict[tuple, str] = {}
+_hashes_lock = threading.Lock()
+
+
+def sha256_cached(path: str | Path, fresh: bool = False) -> str:
+    """sha256 of a file, remembered for this process while its size, mtime and inode stay;
+    fresh: hash it now whatever is remembered (and remember that)."""
+    st = os.stat(path)
+    stamp = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+    with _hashes_lock:
+        known = None if fresh else _hashes.get(stamp)
+    if known is None:
+        known = sha256_file(Path(path))
+        with _hashes_lock:
+            _hashes[stamp] = known
+    return known
+
+
+def parquet_footer_problem(path: Path, size: int) -> str | None:
+    """What is wrong with a Parquet file's framing (magic at both ends, footer length), or
+    None; reads 12 bytes, never the data."""
+    if size < 12:
+        return f"is too small for Parquet ({size} bytes)"
+    with open(path, "rb") as f:
+        head = f.read(4)
+        f.seek(size - 8)
+        tail = f.read(8)
+    if tail[4:] != b"PAR1":
+        return "has no Parquet footer (does not end with PAR1)"
+    if head != b"PAR1":
+        return "does not start with PAR1"
+    footer = int.from_bytes(tail[:4], "little")
+    if footer + 12 > size:
+        return f"has a Parquet footer length {footer} that does not fit in {size} bytes"
+    return None
+
+
+# Before a read, files up to this size are hashed; larger ones (a 1.7 B model's weights are
+# 7 GB, its snapshots five times that) get presence, size and their header checked, so a
+# cache hit in a new process does not spend minutes hashing. `ggpo cache verify` (fresh)
+# hashes everything.
+HASH_BEFORE_READ_MAX_BYTES = 256 << 20
+
+
+def safetensors_header_problem(path: Path, size: int) -> str | None:
+    """What is wrong with a safetensors file's header (length prefix, JSON), or None."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n + 8 > size:
+            return f"has a safetensors header length {n} that does not fit in {size} bytes"
+        try:
+            json.loads(f.read(n))
+        except ValueError:
+            return "has a safetensors header that is not JSON"
+    return None
+
+
+def file_problem(folder: Path, entry: "FileEntry", hashes: bool = True, fresh: bool = False) -> str | None:
+    """What is wrong with one file of an artifact, or None. hashes: compare sha256 too
+    (files over HASH_BEFORE_READ_MAX_BYTES only when fresh); fresh: hash again even if
+    this process hashed the same file before."""
+    path = folder / entry.path
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "is missing"
+    if size != entry.bytes:
+        return f"is {size} bytes, the manifest says {entry.bytes} (truncated or rewritten)"
+    header = {".parquet": parquet_footer_problem, ".safetensors": safetensors_header_problem}.get(path.suffix)
+    problem = header(path, size) if header else None
+    if problem:
+        return problem
+    if hashes and (fresh or size <= HASH_BEFORE_READ_MAX_BYTES):
+        digest = sha256_file(path) if fresh else sha256_cached(path)
+        if digest != entry.sha256:
+            return f"has sha256 {digest[:12]}..., the manifest says {entry.sha256[:12]}... (altered)"
+    return None
+
+
+def check(manifest: Manifest, hashes: bool = True, fresh: bool = False) -> list[str]:
+    """One line per damaged file of an artifact (empty: intact)."""
+    folder = Path(manifest.folder)
+    out = []
+    for entry in manifest.files.values():
+        problem = file_problem(folder, entry, hashes, fresh)
+        if problem:
+            out.append(f"artifact {folder.name} (stage {manifest.stage}): {entry.path} {problem}")
+    return out
 
 
 def fsync_rename(tmp: Path, final: Path) -> None:
@@ -88,15 +199,34 @@ class Store:
     def folder(self, stage: str, key: str) -> Path:
         return self.root / f"{stage}-{key[:16]}"
 
-    def load(self, stage: str, key: str) -> Manifest | None:
-        """The manifest if the artifact is complete, else None (never a partial folder)."""
+    def inspect(self, stage: str, key: str, hashes: bool = True) -> tuple[Manifest | None, list[str]]:
+        """(manifest, problems): (None, []) when not built or interrupted; (None, [..])
+        when manifest.json itself is unreadable; (manifest, [..]) when files are damaged."""
         path = self.folder(stage, key) / MANIFEST
         if not path.exists():
-            return None
-        manifest = Manifest.model_validate_json(path.read_text())
+            return None, []
+        try:
+            manifest = Manifest.model_validate_json(path.read_text())
+        except ValueError as exc:
+            first = str(exc).splitlines()[0]
+            return None, [f"artifact {path.parent.name} (stage {stage}): {MANIFEST} is unreadable ({first})"]
         if manifest.key != key:
-            raise RuntimeError(f"{path}: manifest key {manifest.key} does not match folder key {key}")
-        return manifest
+            return None, [f"artifact {path.parent.name} (stage {stage}): {MANIFEST} holds key "
+                          f"{manifest.key[:16]}, not the folder's {key[:16]}"]
+        if manifest.folder != str(path.parent):     # the cache was moved: its files are here now
+            manifest = manifest.model_copy(update={"folder": str(path.parent)})
+        return manifest, check(manifest, hashes)
+
+    def load(self, stage: str, key: str) -> Manifest | None:
+        """The manifest if the artifact is complete and intact, else None: an interrupted
+        or damaged artifact is never read, and the stage that owns it rebuilds it."""
+        manifest, problems = self.inspect(stage, key)
+        for problem in problems:
+            log.warning("%s; it will be rebuilt", problem)
+        return None if problems else manifest
+
+    def check(self, manifest: Manifest, hashes: bool = True) -> list[str]:
+        return check(manifest, hashes)
 
     def begin(self, stage: str, key: str, keep: tuple[str, ...] = ()) -> Path:
         """A clean work folder for a build; an old manifest (forced rerun) and any
@@ -126,9 +256,97 @@ class Store:
         return sorted(found, key=lambda m: m.created_at)
 
 
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def artifact_folders(root: Path) -> list[tuple[Path, str]]:
+    """(folder, stage) of every `<stage>-<16 hex>` folder under root; anything else in the
+    root is not ours and is never touched."""
+    out = []
+    for folder in sorted(root.iterdir()) if root.exists() else []:
+        stage, _, short = folder.name.rpartition("-")
+        if folder.is_dir() and stage and len(short) == 16 and all(c in "0123456789abcdef" for c in short):
+            out.append((folder, stage))
+    return out
+
+
+def read_manifest(folder: Path) -> tuple[Manifest | None, str | None]:
+    """(manifest, None), (None, None) when there is none, or (None, why it is unreadable)."""
+    path = folder / MANIFEST
+    if not path.exists():
+        return None, None
+    try:
+        return Manifest.model_validate_json(path.read_text()), None
+    except ValueError as exc:
+        return None, str(exc).splitlines()[0]
+
+
+def verify_all(store: Store) -> tuple[int, int, int, list[str]]:
+    """Re-hash every file of every complete artifact against its manifest (no remembered
+    hashes): (artifacts, files, bytes, one line per problem)."""
+    artifacts = files = size = 0
+    problems = []
+    for folder, stage in artifact_folders(store.root):
+        manifest, error = read_manifest(folder)
+        if error:
+            problems.append(f"artifact {folder.name} (stage {stage}): {MANIFEST} is unreadable ({error})")
+        if manifest is None:
+            continue
+        manifest = manifest.model_copy(update={"folder": str(folder)})   # the folder as it is now
+        artifacts, files = artifacts + 1, files + len(manifest.files)
+        size += sum(e.bytes for e in manifest.files.values())
+        problems += check(manifest, hashes=True, fresh=True)
+    return artifacts, files, size, problems
+
+
+def gc_plan(store: Store, versions: dict[str, int], protected: set[tuple[str, str]] | None = None,
+            all_interrupted: bool = False) -> list[tuple[Path, str, int]]:
+    """(folder, why, bytes) of what `ggpo cache gc` removes. The rule is conservative:
+    - an interrupted build (no manifest, or an unreadable one), except a train folder with
+      checkpoints/ (a rerun resumes from it) unless all_interrupted;
+    - an unreachable artifact: its stage is gone, or its stage version is not the code's
+      (`versions`: stage -> current version), or it was built on an unreachable one. Keys
+      include the version, so no run of this code can ever read these;
+    - with `protected` (a set of (stage, key)): also every complete artifact that no other
+      cached manifest names as an input and that is not in `protected` (the presets'
+      experiments). This drops results of runs with other configs (--set), so it is opt-in.
+    """
+    plan, complete = [], {}
+    for folder, stage in artifact_folders(store.root):
+        manifest, error = read_manifest(folder)
+        if manifest is not None:
+            complete[manifest.key] = (folder, manifest)
+            continue
+        if stage == "train" and (folder / "checkpoints").is_dir() and not all_interrupted and not error:
+            continue
+        why = f"{MANIFEST} unreadable" if error else "interrupted build (no manifest)"
+        plan.append((folder, why, folder_bytes(folder)))
+    dead = {k for k, (_, m) in complete.items() if versions.get(m.stage) != m.version}
+    while True:     # built on something unreachable: unreachable too
+        more = {k for k, (_, m) in complete.items() if k not in dead and set(m.inputs.values()) & dead}
+        if not more:
+            break
+        dead |= more
+    referenced = {key for k, (_, m) in complete.items() if k not in dead for key in m.inputs.values()}
+    for key, (folder, m) in complete.items():
+        if key in dead:
+            why = (f"stage '{m.stage}' no longer exists" if m.stage not in versions else
+                   f"built by {m.stage} v{m.version}, the code is v{versions[m.stage]}"
+                   if versions[m.stage] != m.version else "built on an unreachable artifact")
+        elif protected is not None and key not in referenced and (m.stage, key) not in protected:
+            why = "unreferenced: no cached manifest uses it and no preset's experiment expects it"
+        else:
+            continue
+        plan.append((folder, why, folder_bytes(folder)))
+    return plan
+
+
 def file_entry(folder: Path, rel: str, rows: int | None = None) -> FileEntry:
     path = folder / rel
-    return FileEntry(path=rel, bytes=path.stat().st_size, sha256=sha256_file(path), rows=rows)
+    # hashed now (the manifest must be right), then remembered: the next stage's input
+    # check in this process costs a stat, not a hash
+    return FileEntry(path=rel, bytes=path.stat().st_size, sha256=sha256_cached(path, fresh=True), rows=rows)
 
 
 def now_iso() -> str:

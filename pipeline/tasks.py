@@ -8,10 +8,13 @@ math-verify grades them:
   dropped leading zero can never be graded correct.
 - `arithmetic`: a op b with op in + - x; d-digit operands (x: d-digit by 1-digit).
 Any other `task.name` is a path to a Parquet or JSONL file with `problem` and `answer`
-columns (`id` optional); the splits are a seeded permutation of its rows.
+columns (`id` optional); the splits are a seeded permutation of its rows. JSONL is parsed
+line by line, so a malformed line is reported with the file and its line number. A task
+file enters the keys of the stages that read it by its sha256 (`content_key`).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,16 +67,64 @@ def sample_problems(cfg: TaskConfig, purpose: str, count: int, exclude: set[str]
     raise DatasetError(f"task '{cfg.name}' level {cfg.difficulty} has too few distinct problems for {count}")
 
 
+def read_jsonl(path: Path, error: type[Exception] = None) -> pl.DataFrame:
+    """A JSONL file as a frame, one JSON object per non-blank line; a malformed line raises
+    `error` naming the file and its (1-based) line number."""
+    error = error or DatasetError
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise error(f"{path}: line {number} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                            f"fix or delete that line") from None
+            if not isinstance(row, dict):
+                raise error(f"{path}: line {number} is a JSON {type(row).__name__}, not an object "
+                            f'{{"problem": ..., "answer": ...}}')
+            rows.append(row)
+    try:
+        return pl.from_dicts(rows, infer_schema_length=None) if rows else pl.DataFrame()
+    except Exception as exc:        # polars' type errors name no line: say which file
+        raise error(f"{path}: the rows do not form a table ({str(exc).splitlines()[0]})") from None
+
+
+def read_table(path: Path, error: type[Exception] = None) -> pl.DataFrame:
+    """A .parquet or .jsonl file as a frame; an unreadable file raises `error` naming it."""
+    error = error or DatasetError
+    if path.suffix != ".parquet":
+        return read_jsonl(path, error)
+    try:
+        return pl.read_parquet(path)
+    except Exception as exc:
+        raise error(f"{path}: not a readable Parquet file ({str(exc).splitlines()[0]})") from None
+
+
+def content_key(cfg: TaskConfig) -> dict[str, str]:
+    """{"task_file": sha256} when task.name is a file, else {} (built-ins are code)."""
+    if cfg.name in BUILTIN:
+        return {}
+    from pipeline.store import sha256_cached
+    return {"task_file": sha256_cached(existing_file(cfg.name))}
+
+
+def existing_file(name: str | Path) -> Path:
+    path = Path(name)
+    if not path.is_file():
+        raise DatasetError(f"task file {path} does not exist")
+    return path
+
+
 def load_file(path: str | Path) -> list[Problem]:
     """Rows of a Parquet/JSONL prompt file; a bad row is an error naming file and row."""
-    path = Path(path)
-    if not path.exists():
-        raise DatasetError(f"task file {path} does not exist (task.name must be one of "
-                           f"{', '.join(BUILTIN)} or a .parquet/.jsonl path)")
-    df = pl.read_parquet(path) if path.suffix == ".parquet" else pl.read_ndjson(path)
+    path = existing_file(path)
+    df = read_table(path)
     for column in ("problem", "answer"):
         if column not in df.columns:
-            raise DatasetError(f"{path}: missing required column '{column}' (has {df.columns})")
+            raise DatasetError(f"{path}: missing required column '{column}' (has {df.columns}); "
+                               f"every row needs 'problem' and 'answer'")
     ids = df["id"].cast(pl.Utf8).to_list() if "id" in df.columns else [f"{path.stem}-{i}" for i in range(df.height)]
     rows = []
     for i, (pid, problem, answer) in enumerate(zip(ids, df["problem"].to_list(), df["answer"].to_list())):
@@ -113,8 +164,12 @@ def sft_stream(cfg: TaskConfig, exclude: set[str]):
             yield problem, answer
 
 
-def format_prompt(problem: str) -> str:
-    return PROMPT_TEMPLATE.format(problem=problem)
+PLAIN_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+
+
+def format_prompt(problem: str, style: str = "task") -> str:
+    """The training prompt: the built-in task format, or the plain \\boxed{} instruction."""
+    return (PLAIN_TEMPLATE if style == "plain" else PROMPT_TEMPLATE).format(problem=problem)
 
 
 def format_target(answer: str) -> str:

@@ -26,6 +26,12 @@ from pipeline.store import Manifest
 
 EXPERIMENT = "ggpo-offline"
 ARTIFACT_LIMIT = 64 * 1024 * 1024     # larger files are referenced by path and hash
+# Without this tag MLflow 3's UI opens the experiment in its GenAI view (traces, sessions) and
+# files training runs under "Evaluation runs"; this value selects the model-training view.
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+# the runs table with its charts, in the model-training layout whatever the browser last used
+RUNS_VIEW_QUERY = "workflowType=machine_learning&compareRunsMode=CHART"
+HEADLINE_CURVES = ("train/reward", "train/loss")
 
 
 def tracking_uri() -> str:
@@ -49,14 +55,30 @@ def client():
 
 
 def experiment_id(c) -> str:
+    """The experiment's id, created if missing, always tagged as a model-training experiment."""
     exp = c.get_experiment_by_name(EXPERIMENT)
-    if exp is not None:
-        return exp.experiment_id
-    location = None if c.tracking_uri.startswith("http") else paths.mlflow_artifacts().as_uri()
-    try:
-        return c.create_experiment(EXPERIMENT, artifact_location=location)
-    except Exception:  # created concurrently by another process
-        return c.get_experiment_by_name(EXPERIMENT).experiment_id
+    if exp is None:
+        location = None if c.tracking_uri.startswith("http") else paths.mlflow_artifacts().as_uri()
+        try:
+            return c.create_experiment(EXPERIMENT, artifact_location=location, tags={KIND_TAG: KIND})
+        except Exception:  # created concurrently by another process
+            exp = c.get_experiment_by_name(EXPERIMENT)
+    if exp.tags.get(KIND_TAG) != KIND:     # experiments made before the tag, or re-kinded in the UI
+        c.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
+    return exp.experiment_id
+
+
+def runs_url(server: str, exp_id: str) -> str:
+    """The MLflow UI page of the experiment's runs table with the chart view open."""
+    return f"{server.rstrip('/')}/#/experiments/{exp_id}/runs?{RUNS_VIEW_QUERY}"
+
+
+def experiment_link(server: str) -> str:
+    """Create (or re-tag) the experiment on the MLflow server at `server` and return the
+    link to its runs and charts, so the first page a user opens is the right one."""
+    os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    from mlflow import MlflowClient
+    return runs_url(server, experiment_id(MlflowClient(tracking_uri=server)))
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -115,6 +137,8 @@ def log_stage(manifest: Manifest, run_name: str, parent_run_id: str | None = Non
         if manifest.stage == "train":
             metrics += training_curves(manifest)
         log_params_metrics(c, run_id, flatten(manifest.config), metrics)
+        if manifest.stage == "train" and parent_run_id:
+            log_headline_curves(c, parent_run_id, run_name, metrics)
         log_files(c, run_id, manifest)
         if manifest.stage == "filter":
             log_pool_dataset(c, run_id, manifest)
@@ -133,6 +157,17 @@ def training_curves(manifest: Manifest) -> list[tuple[str, float, int]]:
             if row[n] is not None]
 
 
+def log_headline_curves(c, parent_run_id: str, run_name: str, metrics: list[tuple[str, float, int]]) -> None:
+    """Copy reward and loss per update onto the flow's parent run as `<run name>/reward`.
+
+    MLflow's runs page charts only the runs in view, and nested runs sit folded under
+    their parent: without this copy the page a user lands on shows no training curve.
+    Two curves per training run keep the copy small (400 updates: 800 points)."""
+    head = [(f"{run_name}/{k.removeprefix('train/')}", v, step) for k, v, step in metrics
+            if k in HEADLINE_CURVES]
+    log_params_metrics(c, parent_run_id, {}, head)
+
+
 def log_files(c, run_id: str, manifest: Manifest) -> None:
     folder = Path(manifest.folder)
     c.log_artifact(run_id, str(folder / "manifest.json"))
@@ -147,9 +182,13 @@ def log_files(c, run_id: str, manifest: Manifest) -> None:
 def log_pool_dataset(c, run_id: str, manifest: Manifest) -> None:
     import mlflow.data
     import polars as pl
+    from mlflow.data.dataset_source_registry import get_dataset_source_from_json
     from mlflow.entities import DatasetInput, InputTag
     path = manifest.path("train_pool")
     df = pl.read_parquet(path, columns=["prompt_id", "group", "sample", "reward", "response_length"])
-    ds = mlflow.data.from_polars(df, source=str(path), name=f"train_pool-{manifest.key[:16]}")
+    # an explicit "local" source: a bare path matches two identical MLflow source classes
+    # ("" and "file" schemes) and MLflow warned on every run
+    source = get_dataset_source_from_json(json.dumps({"uri": str(path)}), "local")
+    ds = mlflow.data.from_polars(df, source=source, name=f"train_pool-{manifest.key[:16]}")
     c.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
                                                 tags=[InputTag("mlflow.data.context", "training")])])

@@ -2,9 +2,11 @@
 
 Reads `verify`; input `rollout`. Writes `rewards.parquet` (schema REWARDS): reward in
 {0, 1} from math-verify against the prompt's reference answer, `status` in ok |
-no_answer | parse_error | timeout, and grading `seconds`. Grading runs in worker
-processes (all cores by default) with a per-response limit of `verify.timeout_s`; a
-response that has no box, does not parse or runs too long gets reward 0 and its status.
+no_answer | parse_error | timeout, and grading `seconds`. Grading runs in the process's
+shared worker pool (all cores by default; started once, reused by later verify and
+evaluate stages) with a per-response limit of `verify.timeout_s`; a response that has no
+box, does not parse or runs too long gets reward 0 and its status. Progress: "verify:
+grade" in responses.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import polars as pl
 
+from pipeline import progress
 from pipeline.config import PipelineConfig
 from pipeline.grading import grade_many
 from pipeline.schemas import REWARDS, write_parquet
@@ -25,8 +28,9 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     answers = pl.read_parquet(roll.path("prompts"), columns=["group", "answer"])
     rows = (pl.read_parquet(roll.path("rollouts"), columns=["prompt_id", "group", "sample", "response_text"])
             .join(answers, on="group", how="left").sort(["group", "sample"]))
-    graded = grade_many(rows["response_text"].to_list(), [(a,) for a in rows["answer"].to_list()],
-                        cfg.verify.timeout_s, cfg.verify.workers)
+    with progress.Progress("verify: grade", total=rows.height, unit="response") as bar:
+        graded = grade_many(rows["response_text"].to_list(), [(a,) for a in rows["answer"].to_list()],
+                            cfg.verify.timeout_s, cfg.verify.workers, progress=bar.update)
     table = {
         "prompt_id": rows["prompt_id"].to_list(), "group": rows["group"].to_list(),
         "sample": rows["sample"].to_list(), "reward": [g[0] for g in graded],

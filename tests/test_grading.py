@@ -1,7 +1,12 @@
-"""Every verify status, real math-verify, in-process and in worker processes."""
+"""Every verify status, real math-verify, in-process and in the shared worker pool."""
+import os
+import signal
+import threading
+import time
+
 import pytest
 
-from pipeline.grading import grade, grade_many
+from pipeline.grading import grade, grade_many, pool_info
 
 SLOW = r"The answer is \boxed{\int_0^1 e^{x^2} \sin(x^{3}) dx}"   # sympy takes >10 s on this
 
@@ -33,3 +38,90 @@ def test_worker_pool_matches_in_process():
     assert [g[:2] for g in pooled] == [g[:2] for g in local]
     assert pooled[-2][1] == "no_answer" and pooled[-1][1] == "timeout"
     assert sum(g[0] for g in pooled) == sum(1 for i in range(100) if i % 3)
+
+
+# ---- the shared worker pool: one per process, every core, robust to stuck workers
+
+def _batch(n: int):
+    """n responses with known grades: boxed right (i % 3 != 0), boxed wrong, unboxed (i % 7 == 0)."""
+    responses, answers, expected = [], [], []
+    for i in range(n):
+        if i % 7 == 0:
+            responses.append(f"the answer is {i}")
+            expected.append((0.0, "no_answer"))
+        else:
+            responses.append(rf"so \boxed{{{i if i % 3 else i + 1}}}")
+            expected.append((1.0 if i % 3 else 0.0, "ok"))
+        answers.append((str(i),))
+    return responses, answers, expected
+
+
+def _in_thread(fn, *args, **kwargs):
+    """fn's result, called from a non-main thread (as a flow runs stages)."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn(*args, **kwargs)))
+    thread.start()
+    thread.join(timeout=120)
+    assert out, "the call did not finish in 120 s"
+    return out[0]
+
+
+def test_pathological_response_keeps_its_chunk_mates():
+    responses, answers, expected = _batch(40)
+    responses[17], answers[17] = SLOW, ("1",)
+    expected[17] = (0.0, "timeout")
+    got = grade_many(responses, answers, 1.0, workers=2, chunk=64)     # all 40 in one chunk
+    assert [g[:2] for g in got] == expected
+    assert got[17][2] < 4.0                                           # its limit fired
+
+
+def test_pool_is_reused_across_calls_and_threads_and_reports_progress():
+    responses, answers, expected = _batch(50)
+    first = grade_many(responses, answers, 2.0, workers=2)
+    pids = pool_info()["pids"]
+    counts = []
+    second = _in_thread(grade_many, responses, answers, 2.0, workers=2, progress=counts.append)
+    assert [g[:2] for g in first] == [g[:2] for g in second] == expected
+    assert pool_info()["pids"] == pids and len(pids) == 2 and all(p != os.getpid() for p in pids)
+    assert sum(counts) == 50 and all(c > 0 for c in counts)
+    counts.clear()
+    grade_many(responses[:5], answers[:5], 2.0, workers=1, progress=counts.append)   # in-process path
+    assert sum(counts) == 5
+
+
+def test_small_batch_uses_every_worker():
+    responses, answers, expected = _batch(32)
+    grade_many(responses[:2], answers[:2], 2.0, workers=2)              # pool started and warm
+    before = pool_info()["graded"]
+    got = _in_thread(grade_many, responses, answers, 2.0, workers=2)
+    after = pool_info()["graded"]
+    assert [g[:2] for g in got] == expected
+    assert len(after) == 2 and all(after[pid] > before.get(pid, 0) for pid in after)
+
+
+def test_stuck_worker_is_replaced_and_graded_results_are_kept():
+    """A worker that cannot answer (stopped, like one stuck in C code where its timer
+    cannot fire) is killed with its pool; only its response is `timeout`."""
+    responses, answers, expected = _batch(40)
+    responses[10], answers[10] = SLOW, ("1",)
+    expected[10] = (0.0, "timeout")
+    grade_many(responses[:2], answers[:2], 2.0, workers=2)              # pool started and warm
+    old_pids = pool_info()["pids"]
+    out = []
+    thread = threading.Thread(target=lambda: out.append(grade_many(responses, answers, 1.5, workers=2, chunk=20)))
+    thread.start()
+    stopped, deadline = None, time.monotonic() + 30
+    while stopped is None and time.monotonic() < deadline:
+        stopped = next((pid for pid, (idx, _) in pool_info().get("inflight", {}).items() if idx == 10), None)
+        time.sleep(0.005)
+    assert stopped is not None, "response 10 was never seen in flight"
+    os.kill(stopped, signal.SIGSTOP)
+    thread.join(timeout=90)
+    assert out, "grading did not finish after its worker was stopped"
+    assert [g[:2] for g in out[0]] == expected
+    info = pool_info()
+    assert stopped not in info["pids"] and set(info["pids"]).isdisjoint(old_pids)
+    with pytest.raises(ProcessLookupError):
+        os.kill(stopped, 0)
+    # 0-9 were graded before the stop and kept: the new pool graded at most the other 29
+    assert 9 <= sum(info["graded"].values()) <= 29

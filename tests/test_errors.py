@@ -1,0 +1,95 @@
+"""Expected failures read as one line naming the file, row or line and what to do, exit 2,
+and show the traceback only with `ggpo --debug`; files a stage reads from outside the
+store (benchmarks, a task file) enter its key by content."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from pipeline import benchmarks, dag, tasks
+from pipeline.cli import main
+from pipeline.config import load_config
+
+
+def write_jsonl(path, rows: list, bad_line: int | None = None):
+    lines = [json.dumps(r) for r in rows]
+    if bad_line is not None:
+        lines.insert(bad_line - 1, '{"problem": "3+3", answer: 6}')
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def errors(capsys) -> tuple[list[str], str]:
+    err = capsys.readouterr().err
+    return [line for line in err.splitlines() if line.startswith("ggpo:")], err
+
+
+def test_malformed_jsonl_line_is_reported_with_its_number(tmp_path):
+    rows = [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(5)]
+    path = write_jsonl(tmp_path / "prompts.jsonl", rows, bad_line=4)
+    with pytest.raises(tasks.DatasetError, match=r"prompts\.jsonl: line 4 is not valid JSON"):
+        tasks.load_file(path)
+    bench = write_jsonl(tmp_path / "aime24.jsonl", [dict(r, id=str(i)) for i, r in enumerate(rows)], bad_line=2)
+    with pytest.raises(benchmarks.BenchmarkError, match=r"aime24\.jsonl: line 2 is not valid JSON"):
+        benchmarks.load("aime24", tmp_path)
+    (tmp_path / "list.jsonl").write_text('{"problem": "1", "answer": "1"}\n[1, 2]\n')
+    with pytest.raises(tasks.DatasetError, match=r"list\.jsonl: line 2 is a JSON list"):
+        tasks.load_file(tmp_path / "list.jsonl")
+
+
+def test_jsonl_with_mixed_answer_types_loads(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"problem": "a", "answer": 3}, {"problem": "b", "answer": "x"}])
+    assert [p.answer for p in tasks.load_file(path)] == ["3", "x"]
+
+
+def test_task_file_without_answer_is_one_line_at_the_cli(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "noanswer.jsonl", [{"problem": "1+1"}])
+    argv = ["stage", "base", "--preset", "smoke", "--no-track", "--set", f"task.name={path}"]
+    assert main(argv) == 2
+    lines, err = errors(capsys)
+    assert len(lines) == 1 and "Traceback" not in err
+    assert f"{path}: missing required column 'answer'" in lines[0] and "--set task.name=" in lines[0]
+    with pytest.raises(tasks.DatasetError):          # --debug: the exception and its traceback
+        main(["--debug", "stage", "rollout", "--preset", "smoke", "--set", f"task.name={tmp_path}/none.jsonl"])
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["stage", "rollout", "--preset", "smoke", "--set", "train.lr=-1"], "train.lr: Input should be greater than 0"),
+    (["stage", "rollout", "--preset", "nosuch"], "unknown preset 'nosuch'"),
+    (["stage", "rollout", "--preset", "smoke", "--set", "task.name=/nonexistent/p.jsonl"],
+     "task file /nonexistent/p.jsonl does not exist"),
+    (["stage", "evaluate", "--preset", "smoke", "--set", "eval.benchmarks=[aime24]", "--set", "eval.data_dir=/nonexistent"],
+     "no aime24.parquet or aime24.jsonl in /nonexistent"),
+])
+def test_cli_errors_exit_2_with_one_line(argv, says, capsys):
+    assert main(argv) == 2
+    lines, err = errors(capsys)
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in err
+
+
+def test_editing_a_benchmark_file_changes_the_evaluate_key(tmp_path):
+    rows = [{"id": str(i), "problem": f"{i}+1", "answer": str(i + 1)} for i in range(3)]
+    path = write_jsonl(tmp_path / "aime24.jsonl", rows)
+    cfg = load_config("smoke", {"eval.benchmarks": ["aime24"], "eval.data_dir": str(tmp_path)})
+    before = dag.expected_key("evaluate", cfg)
+    assert dag.expected_key("evaluate", cfg) == before
+    train_key = dag.expected_key("train", cfg)
+    rows[1]["answer"] = "7"                                   # same size, other content
+    write_jsonl(path, rows)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
+    assert dag.expected_key("evaluate", cfg) != before
+    assert dag.expected_key("train", cfg) == train_key        # only what reads the file changes
+
+
+def test_editing_a_task_file_changes_the_keys_of_its_readers(tmp_path):
+    rows = [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(20)]
+    path = write_jsonl(tmp_path / "prompts.jsonl", rows)
+    cfg = load_config("smoke", {"task.name": str(path)})
+    before = {s: dag.expected_key(s, cfg) for s in ("base", "rollout", "evaluate")}
+    write_jsonl(path, rows + [{"problem": "x", "answer": "1"}])
+    after = {s: dag.expected_key(s, cfg) for s in ("base", "rollout", "evaluate")}
+    assert all(after[s] != before[s] for s in before)
+    builtin = load_config("smoke")
+    assert dag.expected_key("rollout", builtin) == dag.expected_key("rollout", load_config("smoke"))
