@@ -1,7 +1,9 @@
 """Prefect flow `ggpo` (deployment `offline`): the offline comparison, stage by stage.
 
 Per seed one pool (rollout -> verify -> filter); every method of `methods` trains on that
-pool with the same seeded group order and geometry; each policy is evaluated every
+pool with the same seeded group order and geometry, at every point of `experiment.grid`
+(pipeline/grid.py: the cells; a grid over a field the pool reads gives one pool per value,
+and named `experiment.variants` join `methods`); each policy is evaluated every
 `train.eval_every` updates and at the end; the base model is update 0. The flow ends with
 the report (seed Table 5 / Figure 4 forms) as MLflow artifacts of the parent run.
 
@@ -17,13 +19,16 @@ from typing import Any
 
 import polars as pl
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.runtime import flow_run
 
-from pipeline import dag, report, tracking
+from pipeline import dag, grading, grid, progress, report, tracking
 from pipeline.config import PipelineConfig, load_config
+from pipeline.grid import Cell
+from pipeline.runtime import preflight
 from pipeline.stage import build_slot, set_parallel_builds
 from pipeline.store import Manifest, Store
 
@@ -40,35 +45,64 @@ def run_stage_task(stage: str, cfg: PipelineConfig, inputs: dict[str, Manifest],
 
 
 class Runner:
-    """Submits stage tasks with the flow's force set and MLflow parent run. Inputs may be
-    futures: Prefect resolves them, so independent stages (the methods of a seed, the
-    seeds) run concurrently while dependent ones wait."""
+    """Submits stage tasks with the flow's force set and MLflow parent run, each stage key
+    once: grid cells that share a pool (or a base model, a base evaluation) get the same
+    future. Inputs may be futures: Prefect resolves them, so independent stages (the
+    cells of a seed, the seeds) run concurrently while dependent ones wait."""
 
     def __init__(self, force: set[str], parent: str):
         self.force, self.parent = force, parent
+        self.submitted: dict[tuple[str, str], PrefectFuture] = {}
 
     def __call__(self, stage: str, cfg: PipelineConfig, inputs: dict, name: str) -> PrefectFuture:
+        key = (stage, dag.expected_key(stage, cfg))
+        if key not in self.submitted:
+            self.submitted[key] = self.submit(stage, cfg, inputs, name)
+        return self.submitted[key]
+
+    def submit(self, stage: str, cfg: PipelineConfig, inputs: dict, name: str) -> PrefectFuture:
         return run_stage_task.submit(stage, cfg, inputs, name, stage in self.force, self.parent)
 
 
-def submit_seed(step: Runner, cfg: PipelineConfig, base, methods: list[str]) -> list[tuple[dict, PrefectFuture]]:
-    """Pool of this seed and every method on it; returns (record stub, evaluation future)s
-    and, per method, the training future under the stub key "train"."""
-    s = cfg.seed
-    roll = step("rollout", cfg, {"base": base}, f"rollout-seed{s}")
-    ver = step("verify", cfg, {"rollout": roll}, f"verify-seed{s}")
-    pool = step("filter", cfg, {"rollout": roll, "verify": ver}, f"filter-seed{s}")
-    base_eval = step("evaluate", cfg.updated({"eval.target": "base"}), {"model": base}, f"evaluate-base-seed{s}")
+def stage_reads(stage: str, cfg: PipelineConfig) -> set[str]:
+    """The config fields that enter `stage`'s key, itself or through its inputs."""
+    reads = set(dag.spec(stage).reads)
+    for src in dag.upstream(stage, cfg).values():
+        reads |= stage_reads(src, cfg)
+    return reads
+
+
+def keyed_fields(stage: str, cfg: PipelineConfig, fields: set[str]) -> set[str]:
+    """The grid fields among `fields` that enter `stage`'s key: run names carry only those
+    (a pool is named by its rollout fields, never by train.lr)."""
+    reads = stage_reads(stage, cfg)
+    return {f for f in fields if any(f == r or f.startswith(r + ".") or r.startswith(f + ".") for r in reads)}
+
+
+def submit_seed(step: Runner, cells: list[Cell]) -> list[tuple[dict, PrefectFuture]]:
+    """One seed's cells, each on the pool its config builds: one pool per seed unless the
+    grid sweeps a field the pool reads (the runner submits each stage key once). Returns
+    (record stub, evaluation future)s and, per cell, the training future (kind "train")."""
     pending = []
-    for method in methods:
-        cm = cfg.updated({"train.method": method})
-        trained = step("train", cm, {"base": base, "pool": pool}, f"train-{method}-seed{s}")
-        pending.append(({"method": method, "seed": s, "kind": "train"}, trained))
-        pending.append(({"method": method, "seed": s, "kind": "eval"}, base_eval))
-        for update in cm.train.snapshot_updates() + [None]:      # None: the final policy
-            pending.append(({"method": method, "seed": s, "kind": "eval"},
-                            step("evaluate", cm.updated({"eval.update": update}), {"model": trained},
-                                 f"evaluate-{method}-seed{s}-u{update or cm.train.updates}")))
+    for cell in cells:
+        c, s = cell.config, cell.seed
+
+        def name(stage: str, head: str, sc: PipelineConfig = c) -> str:
+            return head + cell.tag(keyed_fields(stage, sc, set(cell.values)))
+        base = step("base", c, {}, name("base", "base"))
+        roll = step("rollout", c, {"base": base}, name("rollout", f"rollout-seed{s}"))
+        ver = step("verify", c, {"rollout": roll}, name("verify", f"verify-seed{s}"))
+        pool = step("filter", c, {"rollout": roll, "verify": ver}, name("filter", f"filter-seed{s}"))
+        cb = c.updated({"eval.target": "base"})
+        base_eval = step("evaluate", cb, {"model": base}, name("evaluate", f"evaluate-base-seed{s}", cb))
+        trained = step("train", c, {"base": base, "pool": pool}, f"train-{cell.slug}-seed{s}")
+        stub = {"method": cell.method, "seed": s, "cell": cell}
+        pending.append((stub | {"kind": "train"}, trained))
+        pending.append((stub | {"kind": "eval"}, base_eval))
+        for update in c.train.snapshot_updates() + [None]:      # None: the final policy
+            pending.append((stub | {"kind": "eval"},
+                            step("evaluate", c.updated({"eval.update": update}), {"model": trained},
+                                 f"evaluate-{cell.slug}-seed{s}-u{update or c.train.updates}")))
     return pending
 
 
@@ -79,14 +113,15 @@ def collect(pending: list[tuple[dict, PrefectFuture]], cfg: PipelineConfig) -> t
     records, curves, finals = [], [], []
     for stub, future in pending:
         manifest: Manifest = future.result()
+        cell, columns = stub["cell"], grid.columns(stub["cell"], cfg)     # columns: {} without a grid
         if stub["kind"] == "eval":
             records.append({"method": stub["method"], "seed": stub["seed"], "update": manifest.summary["update"],
-                            "accuracy": manifest.summary[key]})
-            if manifest.summary["update"] == cfg.train.updates:      # the final policy: Table 1 / 3
+                            "accuracy": manifest.summary[key]} | columns)
+            if manifest.summary["update"] == cell.config.train.updates:      # the final policy: Table 1 / 3
                 finals.append(pl.read_csv(manifest.path("report_csv"))
-                              .with_columns(pl.lit(stub["method"]).alias("method"), pl.lit(stub["seed"]).alias("seed")))
+                              .with_columns(pl.lit(cell.label).alias("method"), pl.lit(stub["seed"]).alias("seed")))
         else:
-            curves.append(report.training_curves(manifest, stub["method"], stub["seed"]))
+            curves.append(report.training_curves(manifest, stub["method"], stub["seed"], columns.get("cell")))
     return records, curves, finals
 
 
@@ -113,13 +148,30 @@ def log_report(client, parent: str, records: list[dict], curves: list[pl.DataFra
         for path in list(paths.values()) + extra:
             client.log_artifact(parent, str(path), artifact_path="report")
         table = paths["markdown"].read_text() + "\n" + extra[0].read_text() + "\n" + extra[2].read_text()
-    final = evals.filter(pl.col("update") == pl.col("update").max().over("method"))
-    summary = {f"final_{metric.replace('@', '_at_')}/{m}": float(final.filter(pl.col("method") == m)["accuracy"].mean())
-               for m in final["method"].unique(maintain_order=True)}
+    by = report.label_column(evals)        # "cell" with a grid, else "method"
+    final = evals.filter(pl.col("update") == pl.col("update").max().over(by))
+    summary = {f"final_{metric.replace('@', '_at_')}/{grid.slug(m)}": float(final.filter(pl.col(by) == m)["accuracy"].mean())
+               for m in final[by].unique(maintain_order=True)}
     base = evals.filter(pl.col("update") == 0)["accuracy"].mean()
     summary[f"base_{metric.replace('@', '_at_')}"] = float(base)
     tracking.log_params_metrics(client, parent, {}, tracking.summary_metrics(summary))
     return {"table": table, "summary": summary}
+
+
+def publish_report(result: dict, records: list[dict], preset: str) -> None:
+    """The report in the Prefect UI (the flow run's Artifacts tab): the tables as markdown,
+    the summary metrics and every evaluation as tables. A report the UI cannot take is a
+    warning, never a failed run: the same report is in MLflow already."""
+    key = progress.artifact_key(f"ggpo {preset}")
+    try:
+        create_markdown_artifact(markdown=result["table"], key=f"{key}-report",
+                                 description=f"ggpo offline comparison, preset {preset}")
+        create_table_artifact(table=[{"metric": k, "value": v} for k, v in result["summary"].items()],
+                              key=f"{key}-summary", description="final and base accuracy")
+        create_table_artifact(table=records, key=f"{key}-evaluations",
+                              description="every evaluation: method, seed, update, accuracy")
+    except Exception as e:       # noqa: BLE001 - the run itself succeeded
+        get_run_logger().warning("report not published as Prefect artifacts: %s: %s", type(e).__name__, e)
 
 
 @flow(name="ggpo", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
@@ -134,16 +186,21 @@ def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: l
     methods = methods or list(cfg.experiment.methods)
     seeds = seeds or list(cfg.experiment.seeds)
     cfg = cfg.updated({"experiment.methods": methods, "experiment.seeds": seeds})   # validates names
+    cells = grid.cells(cfg)     # every cell validated as the config it trains, before any work
     unknown = set(force or []) - set(dag.STAGE_NAMES)
     if unknown:
         raise ValueError(f"force: unknown stages {sorted(unknown)}; known: {', '.join(dag.STAGE_NAMES)}")
+    for c in [cfg] + [cell.config for cell in cells]:
+        preflight(c)    # device, engine, model folder, budgets (per cell): fail before any work
+    grading.start_pool(cfg.verify.workers)   # one grading pool for every verify and evaluate, warm by then
     tags = {"ggpo.preset": preset, "prefect.flow_run_id": str(flow_run.get_id() or "")}
     with tracking.parent_run(f"offline-{preset}", cfg.model_dump(mode="json"), tags) as (client, parent):
         set_parallel_builds(cfg.experiment.parallel)
         step = Runner(set(force or []), parent)
-        base = step("base", cfg, {}, "base")
-        pending = [p for seed in seeds for p in submit_seed(step, cfg.updated({"seed": seed}), base, methods)]
+        step("base", cfg, {}, "base")
+        pending = [p for seed in seeds for p in submit_seed(step, [c for c in cells if c.seed == seed])]
         records, curves, finals = collect(pending, cfg)
         result = log_report(client, parent, records, curves, finals, cfg)
+    publish_report(result, records, preset)
     print(result["table"])
     return result | {"mlflow_parent_run_id": parent, "records": records}

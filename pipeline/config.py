@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -29,6 +29,9 @@ class TaskConfig(Section):
     n_train: int = Field(512, ge=1)
     n_eval: int = Field(200, ge=1)
     split_seed: int = 0               # fixes the data itself; independent of the run seed
+    # training prompt: task = the built-in "Q: ..\nA:" format (what the tiny model learned);
+    # plain = a step-by-step instruction ending in "\boxed{}" (real base models)
+    prompt: Literal["task", "plain"] = "task"
 
 
 class ModelConfig(Section):
@@ -59,6 +62,17 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(16, ge=1)
     batch_prompts: int = Field(64, ge=1)
     engine: Literal["transformers", "vllm"] = "transformers"
+    # the engine's weights: auto = fp32 on CPU, bf16 on CUDA (vLLM: auto = bf16). Log-probs are
+    # always fp32 from the logits; bfloat16 against the fp32 trainer gives a real behavior-learner
+    # gap (training-inference mismatch) that a CPU can show
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # vLLM only: engines over prompt shards, one per visible GPU ("auto") or this many;
+    # each engine spans tensor_parallel_size GPUs
+    data_parallel: int | Literal["auto"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    # responses whose trainer log-probs are recomputed to measure engine-trainer mismatch
+    mismatch_sample: int = Field(64, ge=0)
 
 
 class VerifyConfig(Section):
@@ -92,6 +106,17 @@ class TrainConfig(Section):
     # per method (GRPO and GRPO+TIS fixed, AGRO and GGPO 160)
     t_ref: int | Literal["fixed", "default"] = "default"
     micro_batch_groups: int = Field(8, ge=1)
+    # token budget per micro-batch (prompt + response tokens, padded); whole groups are
+    # packed longest first. None = micro_batch_groups groups per micro-batch
+    micro_batch_tokens: int | None = Field(None, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"       # auto: cuda when available
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
+    reference_device: Literal["same", "cpu"] = "same"     # "cpu" keeps the reference off the GPU
+    gradient_checkpointing: bool = False                 # non-reentrant
+    logprob_chunk_tokens: int = Field(1024, ge=1)         # LM-head chunk (tokens) for log-probs
+    # chunked: hidden states -> LM head per chunk, never a [tokens, vocab] tensor (policy.py);
+    # full: the plain logits path, kept as the reference implementation for parity checks
+    logprob_impl: Literal["chunked", "full"] = "chunked"
     checkpoint_every: int = Field(10, ge=1)
     diagnostics_block: int = Field(8, ge=1)     # updates per sequence-ESS block (spec 9)
     eval_every: int | None = None               # also snapshot the policy every this many updates
@@ -129,12 +154,40 @@ DEFAULT_T_REF: dict[str, int | None] = {"grpo": None, "grpo_tis": None, "agro": 
 
 
 class ExperimentConfig(Section):
-    """What the flow compares: every method trains on each seed's pool (spec 8.4)."""
-    methods: list[Literal["grpo", "grpo_tis", "agro", "ggpo"]] = ["grpo"]
+    """What the flow compares: every method trains on each seed's pool (spec 8.4), at
+    every point of `grid` (pipeline/grid.py expands and validates the cells)."""
+    # method names, or names defined in `variants`
+    methods: list[str] = ["grpo"]
     seeds: list[int] = [42]
     # stage builds at once (threads; torch ops release the GIL: 1.75x on 2 cores with 2).
     # Results do not depend on it. Use 1 on a single GPU.
     parallel: int = Field(2, ge=1)
+    # config fields to sweep, every combination a cell: {"train.lr": [1e-5, 1e-4]}
+    grid: dict[str, list[Any]] = {}
+    # named method entries: {"ggpo_clip": {"train.method": "ggpo", "train.ggpo_clip_delta": 0.05}}
+    variants: dict[str, dict[str, Any]] = {}
+
+    @model_validator(mode="after")
+    def _check(self) -> "ExperimentConfig":
+        known = list(METHODS) + [v for v in self.variants if v not in METHODS]
+        unknown = [m for m in self.methods if m not in known]
+        if unknown:
+            raise ValueError(f"experiment.methods: unknown {unknown}; known: {', '.join(known)} "
+                             f"(define others in experiment.variants)")
+        clash = [v for v in self.variants if v in METHODS]
+        if clash:
+            raise ValueError(f"experiment.variants: {clash} are method names; name the variant otherwise")
+        for field, values in self.grid.items():
+            if field == "seed" or field.split(".")[0] == "experiment" or field in FLOW_FIELDS:
+                raise ValueError(f"experiment.grid: '{field}' is set by the flow; use experiment.seeds, "
+                                 f"experiment.methods or experiment.variants instead")
+            if not values or len(set(map(repr, values))) != len(values):
+                raise ValueError(f"experiment.grid['{field}']: give a non-empty list of distinct values, got {values}")
+        return self
+
+
+METHODS = get_args(TrainConfig.model_fields["method"].annotation)
+FLOW_FIELDS = ("train.method", "eval.target", "eval.update")   # what each flow stage sets itself
 
 
 class EvalConfig(Section):

@@ -88,7 +88,8 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
     model = build_model(mc, len(tok))
     opt = torch.optim.AdamW(model.parameters(), lr=mc.sft_lr, betas=(0.9, 0.99), weight_decay=0.0)
     engine = TransformersEngine.__new__(TransformersEngine)
-    engine.tokenizer, engine.model, engine.batch_prompts = tok, model, 64
+    # the tiny model's warm-up stays on the CPU on every machine: the base is the same everywhere
+    engine.tokenizer, engine.model, engine.batch_prompts, engine.device = tok, model, 64, torch.device("cpu")
     log = {"step": [], "loss": [], "lr": [], "sampled_accuracy": []}
     acc, step = 0.0, 0
     for step in range(1, mc.sft_max_steps + 1):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import polars as pl
 
-from pipeline import benchmarks, tasks
+from pipeline import benchmarks, progress, tasks
 from pipeline.config import PipelineConfig
 from pipeline.engines import SamplingParams, make_engine
 from pipeline.grading import grade_many
@@ -32,7 +32,7 @@ from stages.base import model_path
 
 log = logging.getLogger("ggpo")
 AVG = "avg"   # the problem-weighted average row of the per-benchmark table
-PLAIN_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+PLAIN_TEMPLATE = tasks.PLAIN_TEMPLATE
 
 
 def eval_problems(cfg: PipelineConfig) -> list[benchmarks.BenchProblem]:
@@ -63,14 +63,14 @@ def shown(template: str) -> str:
     return template.format(problem="{problem}").replace("\n", "\\n")
 
 
-def generate(engine, prompts: list[str], cfg: PipelineConfig) -> tuple[list, float]:
+def generate(engine, prompts: list[str], cfg: PipelineConfig, desc: str = "evaluate") -> tuple[list, float]:
     """All completions, chunk by chunk with progress; (completions per prompt, seconds)."""
     ec, out, start = cfg.eval, [], time.perf_counter()
-    for i in range(0, len(prompts), ec.batch_prompts):
-        params = SamplingParams(ec.n_samples, ec.temperature, ec.top_p, ec.max_new_tokens,
-                                derive_seed(cfg.seed, f"eval/sample/{i // ec.batch_prompts}"))
-        out += engine.generate(prompts[i:i + ec.batch_prompts], params)
-        log.info("evaluate: generated %d/%d prompts x %d samples", len(out), len(prompts), ec.n_samples)
+    with progress.Progress(f"{desc}: generate", total=len(prompts), unit="prompt") as bar:
+        for i in range(0, len(prompts), ec.batch_prompts):
+            params = SamplingParams(ec.n_samples, ec.temperature, ec.top_p, ec.max_new_tokens,
+                                    derive_seed(cfg.seed, f"eval/sample/{i // ec.batch_prompts}"))
+            out += progress.generate(engine, prompts[i:i + ec.batch_prompts], params, bar)
     return out, time.perf_counter() - start
 
 
@@ -90,15 +90,29 @@ def benchmark_table(samples: pl.DataFrame, n: int, ks: list[int]) -> pl.DataFram
     return pl.DataFrame(rows + ([avg] if len(rows) > 1 else []))
 
 
+def progress_name(cfg: PipelineConfig, model: Manifest) -> str:
+    """'evaluate base seed 1' or 'evaluate grpo seed 1 update 8': which of a flow's many
+    evaluations a progress line belongs to."""
+    if model.stage != "train":
+        return f"evaluate {model.stage} seed {cfg.seed}"
+    return f"evaluate {cfg.train.method} seed {cfg.seed} update {cfg.eval.update or model.summary['updates']}"
+
+
 def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
     ec = cfg.eval
     problems = eval_problems(cfg)
-    engine = make_engine(cfg.rollout.engine, model_path(inputs["model"], ec.update), ec.batch_prompts, cfg.model.threads)
+    engine = make_engine(cfg.rollout.engine, model_path(inputs["model"], ec.update), ec.batch_prompts, cfg.model.threads,
+                         rollout_cfg=cfg.rollout, device=cfg.train.device, seed=cfg.seed,
+                         dtype="auto")   # evaluation never samples at rollout.dtype (not in its key)
     template, to_prompt = prompt_builder(cfg, engine.tokenizer)
-    outs, gen_seconds = generate(engine, [to_prompt(p.problem) for p in problems], cfg)
+    desc = progress_name(cfg, inputs["model"])
+    outs, gen_seconds = generate(engine, [to_prompt(p.problem) for p in problems], cfg, desc)
+    getattr(engine, "close", lambda: None)()      # a vLLM engine hands its GPUs back
     flat = [(p, i, c) for p, group in zip(problems, outs) for i, c in enumerate(group)]
     start = time.perf_counter()
-    graded = grade_many([c.text for _, _, c in flat], [p.answers for p, _, _ in flat], cfg.verify.timeout_s, cfg.verify.workers)
+    with progress.Progress(f"{desc}: grade", total=len(flat), unit="response") as bar:
+        graded = grade_many([c.text for _, _, c in flat], [p.answers for p, _, _ in flat], cfg.verify.timeout_s,
+                            cfg.verify.workers, progress=bar.update)
     grade_seconds = time.perf_counter() - start
     table = {"benchmark": [p.benchmark for p, _, _ in flat], "prompt_id": [p.id for p, _, _ in flat],
              "sample": [i for _, i, _ in flat], "reward": [g[0] for g in graded], "status": [g[1] for g in graded],
@@ -130,7 +144,14 @@ def markdown(scores: pl.DataFrame, template: str) -> str:
     return f"Prompt: {template}\n\n" + "\n".join(lines) + "\n"
 
 
-SPEC = StageSpec(name="evaluate", version=2, reads=("seed", "task", "eval", "verify"), build=build)
+def content_key(cfg: PipelineConfig) -> dict[str, str]:
+    """sha256 of the benchmark files this evaluation reads, so editing one in place
+    re-evaluates (the task file, when task.name is a path, enters every task reader's key)."""
+    return benchmarks.content_key(cfg.eval.benchmarks, cfg.eval.data_dir)
+
+
+SPEC = StageSpec(name="evaluate", version=2, reads=("seed", "task", "eval", "verify"), build=build,
+                 extra_key=content_key)
 
 
 def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,

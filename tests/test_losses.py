@@ -140,7 +140,14 @@ def test_entropy_golden():
     from stages.train.policy import make_batch, token_logprobs
     probs = torch.tensor([0.7, 0.2, 0.1])
     model = lambda input_ids, attention_mask: SimpleNamespace(logits=probs.log().expand(1, input_ids.shape[1], 3))
-    _, entropy = token_logprobs(model, make_batch([[0]], [[1]], 2), with_entropy=True)
+    _, entropy = token_logprobs(model, make_batch([[0]], [[1]], 2), with_entropy=True, impl="full")
+    assert entropy.item() == pytest.approx(0.801819, abs=1e-5)
+    # the chunked LM head: hidden state 1, head weight log p, so the logits are log p again
+    head = torch.nn.Linear(1, 3, bias=False)
+    head.weight.data = probs.log()[:, None]
+    body = lambda input_ids, attention_mask, use_cache: SimpleNamespace(last_hidden_state=torch.ones(1, input_ids.shape[1], 1))
+    chunked = SimpleNamespace(model=body, get_output_embeddings=lambda: head)
+    _, entropy = token_logprobs(chunked, make_batch([[0]], [[1]], 2), with_entropy=True, impl="chunked")
     assert entropy.item() == pytest.approx(0.801819, abs=1e-5)
 
 

@@ -8,6 +8,8 @@ step 0 are exactly 1; with top_p < 1 they carry the nucleus renormalization, as 
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,11 +42,48 @@ class Engine(Protocol):
         ...
 
 
-def make_engine(kind: str, model_path: str, batch_prompts: int = 64, threads: int = 1) -> Engine:
+VLLM_MISSING = ("rollout.engine=vllm needs vLLM: pip install -e '.[gpu]' on a CUDA machine, "
+                "or use rollout.engine=transformers")
+
+
+def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto"):
+    """Checks before any work (vLLM importable, CUDA present, enough GPUs), then the engine.
+    dtype: rollout.dtype; "auto" = bfloat16 (vLLM's usual serving precision)."""
+    from pipeline.config import ConfigError
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(VLLM_MISSING)
+    import torch
+    if not torch.cuda.is_available():
+        raise ConfigError("rollout.engine=vllm needs a CUDA GPU and torch.cuda.is_available() is False here; "
+                          "use rollout.engine=transformers on this machine")
+    from pipeline.engines import vllm_engine as ve
+    tp = getattr(rollout_cfg, "tensor_parallel_size", 1)
+    gpus = ve.visible_gpus(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+    try:
+        dp = ve.resolve_data_parallel(getattr(rollout_cfg, "data_parallel", 1), tp, len(gpus))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if dp * tp > len(gpus):
+        raise ConfigError(f"rollout.data_parallel={dp} x rollout.tensor_parallel_size={tp} needs {dp * tp} GPUs, "
+                          f"{len(gpus)} visible; lower them or set rollout.data_parallel=auto")
+    return ve.VLLMEngine(model_path, tensor_parallel_size=tp, data_parallel=dp, gpu_ids=gpus, seed=seed,
+                         gpu_memory_utilization=getattr(rollout_cfg, "gpu_memory_utilization", 0.85),
+                         dtype="bfloat16" if dtype == "auto" else dtype)
+
+
+def make_engine(kind: str, model_path: str, batch_prompts: int = 64, threads: int = 1,
+                rollout_cfg=None, device: str | None = None, seed: int = 0,
+                dtype: str | None = None) -> Engine:
+    """An engine over the HF folder `model_path`. `rollout_cfg` (a RolloutConfig) carries the
+    vLLM settings (data_parallel, tensor_parallel_size, gpu_memory_utilization; defaults:
+    one engine on one GPU) and the weights' precision `rollout.dtype`; `dtype`, when given,
+    overrides it (e.g. "auto" for an engine that should not copy the sampler's precision);
+    `device` goes to the transformers engine when given."""
+    dtype = dtype or getattr(rollout_cfg, "dtype", "auto")
     if kind == "transformers":
         from pipeline.engines.hf import TransformersEngine
-        return TransformersEngine(model_path, batch_prompts=batch_prompts, threads=threads)
+        extra = {} if device is None else {"device": device}
+        return TransformersEngine(model_path, batch_prompts=batch_prompts, threads=threads, dtype=dtype, **extra)
     if kind == "vllm":
-        from pipeline.engines.vllm_engine import VLLMEngine  # GPU only, imported lazily
-        return VLLMEngine(model_path)
+        return _vllm_engine(model_path, rollout_cfg, seed, dtype)   # GPU only, imported lazily
     raise ValueError(f"unknown engine '{kind}'; known: transformers, vllm")

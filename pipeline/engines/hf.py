@@ -8,6 +8,7 @@ a right-padded teacher-forced recompute to ~1e-6, which a test checks).
 from __future__ import annotations
 
 import inspect
+from typing import Callable
 
 import torch
 
@@ -31,23 +32,44 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def weights_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """rollout.dtype -> the engine's weight dtype. "auto": bf16 on a GPU (as vLLM's default),
+    fp32 on CPU (so the CPU pool matches the fp32 trainer exactly). Log-probs are computed
+    in fp32 from the logits whatever this is."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    known = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in known:
+        raise ValueError(f"rollout.dtype '{dtype}' is not one of auto, float32, bfloat16")
+    return known[dtype]
+
+
 class TransformersEngine:
     name = "transformers"
     logprobs_mode = LOGPROBS_MODE
 
-    def __init__(self, model_path: str, batch_prompts: int = 64, threads: int = 1, model=None):
+    def __init__(self, model_path: str, batch_prompts: int = 64, threads: int = 1, model=None,
+                 device: str = "auto", dtype: str = "auto"):
+        from pipeline.runtime import resolve_device
         torch.set_num_threads(threads)
+        self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(model_path)
-        self.model = model if model is not None else load_model(model_path)
+        self.dtype = weights_dtype(dtype, self.device)
+        self.model = model if model is not None else load_model(model_path, self.dtype).to(self.device)
         self.batch_prompts = batch_prompts
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
-        gen = torch.Generator().manual_seed(params.seed)
+    def generate(self, prompts: list[str], params: SamplingParams,
+                 progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
+        """progress, if given, is called after each internal batch with the number of prompts
+        it finished; it only observes, so the batches and the random stream stay the same."""
+        gen = torch.Generator(device=self.device).manual_seed(params.seed)
         out: list[list[Completion]] = []
         for start in range(0, len(prompts), self.batch_prompts):
             batch = prompts[start:start + self.batch_prompts]
             flat = self._sample([p for p in batch for _ in range(params.n)], params, gen)
             out.extend(flat[i * params.n:(i + 1) * params.n] for i in range(len(batch)))
+            if progress is not None:
+                progress(len(batch))
         return out
 
     @torch.no_grad()
@@ -56,11 +78,12 @@ class TransformersEngine:
         model.eval()
         ids = [tok(p)["input_ids"] for p in prompts]
         width = max(map(len, ids))
-        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])
-        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        dev = self.device
+        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
+        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
         eos = tok.eos_token_id
-        done = torch.zeros(len(prompts), dtype=torch.bool)
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
         tokens, logps = [], []
         past, step_ids, step_pos = None, input_ids, pos
         cache_kw = _cache_kwarg(model)

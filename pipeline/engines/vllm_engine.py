@@ -1,33 +1,298 @@
-"""vLLM rollout engine (GPU only; `pip install .[gpu]`). Imported lazily by make_engine.
+"""vLLM rollout engine (GPU only; `pip install -e '.[gpu]'`), data-parallel over GPUs.
 
-Uses `logprobs_mode="processed_logprobs"` so the recorded log-prob is taken after
-temperature scaling, matching the trainer's softmax(logits / temperature) when top_p = 1
-(../shared/platform-notes.md: the default raw mode would bias every importance ratio).
+Contract (same as every engine, see pipeline/engines/__init__.py): `generate(prompts,
+params)` returns params.n completions per prompt, in prompt order, each with the sampled
+tokens (EOS included when sampled), the sampled token's log-prob and the decoded text;
+`engine.tokenizer` is the HF tokenizer the rest of the pipeline uses.
+
+Choices, and why:
+- `logprobs_mode="processed_logprobs"`: the recorded log-prob is taken after temperature
+  scaling, matching the trainer's softmax(logits / temperature) when top_p = 1 (the default
+  `raw_logprobs` would bias every importance ratio; ../shared/gpu-scale-notes.md section 3).
+- `generation_config="vllm"` and every sampling field explicit: a model folder's
+  generation_config.json (top_k, repetition_penalty, max_new_tokens cap) never leaks in.
+- Prompts go in as token ids from `self.tokenizer`, so the pool's prompt_token_ids are
+  exactly what the engine conditioned on, and text is decoded by the same tokenizer as the
+  transformers engine does (`detokenize=False` in vLLM).
+- One sampling seed per prompt, derived from (params.seed, global prompt index): vLLM gives
+  the k-th of n samples the seed `seed + k` (vllm/v1/engine/parallel_sampling.py), so one
+  seed for a whole batch would give every prompt the same random stream. Per-prompt seeds
+  also make a prompt's stream independent of how prompts are sharded over GPUs.
+- Data parallelism: contiguous prompt shards, one engine per shard in its own spawned
+  process with CUDA_VISIBLE_DEVICES set to its GPU(s). The processes load their engines in
+  parallel when the engine is built and serve every later `generate` call (evaluation calls
+  it once per chunk), and results are merged in prompt order. One shard runs in-process.
+- `close()` frees the GPUs (stops the shard processes / drops the in-process engine); call
+  it before training in the same process. Shard processes are also stopped when the engine
+  is garbage collected and at interpreter exit.
+- A missing, NaN or infinite sampled-token log-prob raises, naming prompt and position:
+  such a value would silently poison every importance ratio downstream.
 """
 from __future__ import annotations
 
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import multiprocessing.util
+import traceback
+
 from pipeline.engines import Completion, SamplingParams
+
+# No torch / transformers / vllm at module level: a spawned shard process imports this
+# module first and should reach vLLM's own import (and its CUDA setup) quickly.
+
+LOGPROBS_MODE = "processed_logprobs"
+# "no top-k": vLLM < 0.10 defaults to -1 and rejects 0; later releases default to 0 and
+# "quietly accept -1 as disabled" (vllm/sampling_params.py _verify_args). -1 works in both.
+NO_TOP_K = -1
+# vLLM adds the sample index to a request's seed; keep seed + n far below 2**63
+_SEED_MASK = 2**62 - 1
+
+
+class VLLMOutputError(RuntimeError):
+    pass
+
+
+def prompt_seed(seed: int, prompt_index: int) -> int:
+    """The sampling seed of one prompt (its n samples get seed + 0..n-1 inside vLLM)."""
+    from pipeline.seeding import derive_seed
+    return derive_seed(seed, f"vllm/prompt{prompt_index}") & _SEED_MASK
+
+
+def vllm_sampling_kwargs(params: SamplingParams, seed: int) -> dict:
+    """Every vllm.SamplingParams field that changes the sampled distribution, explicit."""
+    return {
+        "n": params.n, "temperature": params.temperature, "top_p": params.top_p,
+        "top_k": NO_TOP_K, "min_p": 0.0, "repetition_penalty": 1.0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0,
+        "max_tokens": params.max_new_tokens, "seed": seed,
+        "logprobs": 0,          # the sampled token's log-prob only
+        "detokenize": False,    # text is decoded by self.tokenizer (one convention for all engines)
+    }
+
+
+def shard_ranges(n_prompts: int, n_shards: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges covering range(n_prompts), sizes differing by at most
+    one, larger shards first; never an empty shard (fewer shards when prompts are few)."""
+    if n_shards < 1:
+        raise ValueError(f"n_shards must be >= 1, got {n_shards}")
+    n = min(n_shards, n_prompts)
+    if n == 0:
+        return []
+    base, extra = divmod(n_prompts, n)
+    ranges, start = [], 0
+    for k in range(n):
+        end = start + base + (1 if k < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def merge_shards(ranges: list[tuple[int, int]], results: list[list], n_prompts: int) -> list:
+    """Shard results (one list per range, one entry per prompt) back in prompt order.
+    Raises if a shard returned the wrong number of prompts or the ranges do not tile."""
+    if len(ranges) != len(results):
+        raise ValueError(f"{len(results)} shard results for {len(ranges)} shards")
+    merged: list = [None] * n_prompts
+    for k, ((start, end), res) in enumerate(zip(ranges, results)):
+        if len(res) != end - start:
+            raise ValueError(f"shard {k} (prompts {start}..{end - 1}) returned {len(res)} results, "
+                             f"expected {end - start}")
+        merged[start:end] = res
+    missing = [i for i, r in enumerate(merged) if r is None]
+    if missing:
+        raise ValueError(f"prompts {missing[:5]} are covered by no shard")
+    return merged
+
+
+def visible_gpus(device_count: int, env: str | None) -> list[str]:
+    """Ids to write into a child's CUDA_VISIBLE_DEVICES: the parent's own list if set
+    (so shard GPUs stay inside what this process was given), else 0..device_count-1."""
+    if env is not None and env.strip():
+        return [x.strip() for x in env.split(",") if x.strip()][:device_count]
+    return [str(i) for i in range(device_count)]
+
+
+def resolve_data_parallel(setting: int | str, tensor_parallel_size: int, n_gpus: int) -> int:
+    """Engines to run: "auto" = visible GPUs // tensor_parallel_size (at least 1)."""
+    if setting == "auto":
+        return max(1, n_gpus // tensor_parallel_size)
+    dp = int(setting)
+    if dp < 1:
+        raise ValueError(f"rollout.data_parallel must be >= 1 or 'auto', got {setting}")
+    return dp
+
+
+def completion_from_output(out, prompt_index: int, tokenizer) -> Completion:
+    """One vLLM CompletionOutput -> Completion; the sampled token's log-prob is
+    `logprobs[t][token_id].logprob` (logprobs=0 returns just the sampled token)."""
+    ids = list(out.token_ids)
+    steps = out.logprobs
+    if steps is None or len(steps) != len(ids):
+        raise VLLMOutputError(f"prompt {prompt_index}, sample {out.index}: vLLM returned "
+                              f"{'no' if steps is None else len(steps)} log-prob steps for {len(ids)} tokens")
+    lps = []
+    for t, (step, tid) in enumerate(zip(steps, ids)):
+        entry = None if step is None else step.get(tid)
+        value = None if entry is None else float(entry.logprob)
+        if value is None or not math.isfinite(value):
+            raise VLLMOutputError(f"prompt {prompt_index}, sample {out.index}, token position {t} "
+                                  f"(id {tid}): sampled-token log-prob is {value}; refusing to record it "
+                                  "(check rollout.top_p / temperature and the model's dtype)")
+        lps.append(value)
+    if out.finish_reason not in ("stop", "length"):
+        raise VLLMOutputError(f"prompt {prompt_index}, sample {out.index}: finish_reason "
+                              f"'{out.finish_reason}' (expected stop or length)")
+    return Completion(token_ids=ids, logprobs=lps, finish_reason=out.finish_reason,
+                      text=tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def generate_on(llm, tokenizer, prompt_ids: list[list[int]], params: SamplingParams,
+                offset: int) -> list[list[Completion]]:
+    """Generate with one vLLM engine; `offset` is the global index of prompt_ids[0]."""
+    from vllm import SamplingParams as VParams
+    sps = [VParams(**vllm_sampling_kwargs(params, prompt_seed(params.seed, offset + i)))
+           for i in range(len(prompt_ids))]
+    requests = [{"prompt_token_ids": ids} for ids in prompt_ids]   # a vllm TokensPrompt
+    outputs = llm.generate(requests, sps, use_tqdm=False)
+    result = []
+    for i, req in enumerate(outputs):
+        samples = sorted(req.outputs, key=lambda o: o.index)
+        if len(samples) != params.n:
+            raise VLLMOutputError(f"prompt {offset + i}: vLLM returned {len(samples)} samples, expected {params.n}")
+        result.append([completion_from_output(o, offset + i, tokenizer) for o in samples])
+    return result
+
+
+def build_llm(model_path: str, engine_kwargs: dict):
+    """engine_kwargs carries `dtype` (rollout.dtype: bfloat16 unless float32 is asked for)."""
+    from vllm import LLM
+    kwargs = {"dtype": "bfloat16", **engine_kwargs}
+    return LLM(model=model_path, generation_config="vllm", logprobs_mode=LOGPROBS_MODE, **kwargs)
+
+
+def _shard_main(shard: int, devices: str, model_path: str, engine_kwargs: dict, conn) -> None:
+    """Body of one spawned shard process: its own GPUs and engine, serving generate jobs
+    from `conn` until it receives None or the parent goes away."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices     # before anything initialises CUDA
+    try:
+        llm = build_llm(model_path, engine_kwargs)
+        from pipeline.hf import load_tokenizer
+        tokenizer = load_tokenizer(model_path)
+        conn.send(("ready", None))
+        while True:
+            try:
+                job = conn.recv()
+            except EOFError:        # the parent closed its end or died
+                return
+            if job is None:
+                return
+            prompt_ids, params, offset = job
+            conn.send(("ok", generate_on(llm, tokenizer, prompt_ids, params, offset)))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+        raise
+
+
+def _stop_workers(workers: list) -> None:
+    """Ask each shard process to exit, then make sure it did."""
+    for proc, conn, _ in workers:
+        with contextlib.suppress(Exception):
+            conn.send(None)
+            conn.close()
+    for proc, _, _ in workers:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=10)
+    workers.clear()
 
 
 class VLLMEngine:
     name = "vllm"
-    logprobs_mode = "processed_logprobs"
+    logprobs_mode = LOGPROBS_MODE
 
-    def __init__(self, model_path: str):
-        from vllm import LLM
-        self.llm = LLM(model=model_path, logprobs_mode="processed_logprobs", seed=0)
+    def __init__(self, model_path: str, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85,
+                 data_parallel: int = 1, gpu_ids: list[str] | None = None, seed: int = 0,
+                 dtype: str = "bfloat16"):
+        from pipeline.hf import load_tokenizer
+        from pipeline.seeding import derive_seed
+        self.model_path = model_path
+        self.tokenizer = load_tokenizer(model_path)
+        self.tp, self.dp = tensor_parallel_size, data_parallel
+        self.gpu_ids = gpu_ids if gpu_ids is not None else [str(i) for i in range(self.dp * self.tp)]
+        if self.dp * self.tp > len(self.gpu_ids):
+            raise ValueError(f"data_parallel {self.dp} x tensor_parallel_size {self.tp} needs "
+                             f"{self.dp * self.tp} GPUs; {len(self.gpu_ids)} visible ({','.join(self.gpu_ids)})")
+        # vLLM seeds Python/numpy/torch with it: numpy needs < 2**32
+        if dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"rollout.dtype '{dtype}' is not supported by the vLLM engine; use bfloat16 or float32")
+        self.engine_kwargs = {"tensor_parallel_size": self.tp, "gpu_memory_utilization": gpu_memory_utilization,
+                              "seed": derive_seed(seed, "vllm/engine") % 2**31, "dtype": dtype}
+        self.llm, self._workers = None, []
+        if self.dp == 1:        # one shard: the engine lives in this process
+            self.llm = build_llm(model_path, self.engine_kwargs)
+        else:
+            self._start_workers()
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
-        from vllm import SamplingParams as VParams
-        sp = VParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                     max_tokens=params.max_new_tokens, seed=params.seed, logprobs=0)
-        outputs = self.llm.generate(prompts, sp, use_tqdm=False)
-        return [[self._completion(o) for o in req.outputs] for req in outputs]
+        ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        if not ids:
+            return []
+        if self.llm is not None:
+            return generate_on(self.llm, self.tokenizer, ids, params, offset=0)
+        if not self._workers:
+            raise RuntimeError("this VLLMEngine was closed")
+        return self._generate_sharded(ids, params)
 
-    @staticmethod
-    def _completion(o) -> Completion:
-        ids = list(o.token_ids)
-        lps = [step[tid].logprob for step, tid in zip(o.logprobs, ids)]
-        return Completion(token_ids=ids, logprobs=lps,
-                          finish_reason="stop" if o.finish_reason == "stop" else "length",
-                          text=o.text)
+    def close(self) -> None:
+        """Frees the GPUs: stops the shard processes, or drops the in-process engine."""
+        _stop_workers(self._workers)
+        if self.llm is not None:
+            self.llm = None
+            import gc
+            gc.collect()
+
+    def _start_workers(self) -> None:
+        ctx = mp.get_context("spawn")    # a forked CUDA/vLLM state is unusable in a child
+        for k in range(self.dp):
+            devices = ",".join(self.gpu_ids[k * self.tp:(k + 1) * self.tp])
+            parent_end, child_end = ctx.Pipe()
+            # not a daemon: vLLM starts its own engine-core processes inside
+            proc = ctx.Process(target=_shard_main, name=f"vllm-shard{k}",
+                               args=(k, devices, self.model_path, self.engine_kwargs, child_end))
+            proc.start()
+            child_end.close()
+            self._workers.append((proc, parent_end, devices))
+        # on garbage collection, and at exit before multiprocessing joins its (non-daemon)
+        # children, which would otherwise wait forever for their next job
+        multiprocessing.util.Finalize(self, _stop_workers, args=(self._workers,), exitpriority=10)
+        try:      # engines load in parallel; the first failure stops them all
+            for k in range(self.dp):
+                self._receive(k)
+        except BaseException:
+            _stop_workers(self._workers)
+            raise
+
+    def _generate_sharded(self, ids: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        ranges = shard_ranges(len(ids), self.dp)
+        try:
+            for k, (start, end) in enumerate(ranges):        # all shards start before any is read
+                self._workers[k][1].send((ids[start:end], params, start))
+            return merge_shards(ranges, [self._receive(k) for k in range(len(ranges))], len(ids))
+        except BaseException:
+            _stop_workers(self._workers)     # shards out of step with each other: unusable
+            raise
+
+    def _receive(self, k: int):
+        proc, conn, devices = self._workers[k]
+        try:
+            kind, payload = conn.recv()
+        except EOFError:
+            proc.join(timeout=30)
+            kind, payload = "error", f"(no traceback: the process exited with code {proc.exitcode}; out of memory?)"
+        if kind == "error":
+            raise RuntimeError(f"vLLM shard {k} on CUDA_VISIBLE_DEVICES={devices} failed:\n{payload[-3000:]}")
+        return payload

@@ -41,7 +41,8 @@ def load(folder: Path) -> dict | None:
     path = folder / NAME
     if not path.exists():
         return None
-    return torch.load(path, weights_only=False)
+    # on the CPU first: load_state_dict then copies to wherever the model and optimizer live
+    return torch.load(path, weights_only=False, map_location="cpu")
 
 
 def restore(state: dict, *, model, optimizer, reference) -> tuple[int, list[dict]]:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from stages.train.losses import LossInputs, ggpo_group_loss, kl_adjusted_rewards
+from stages.train.losses import LOG_RATIO_BOUND, LossInputs, ggpo_group_loss, kl_adjusted_rewards
 
 
 def normalized_ess(log_w: torch.Tensor) -> float:
@@ -42,7 +42,7 @@ def within_success_ess(rt: torch.Tensor, rewards: torch.Tensor, beta: float) -> 
 @torch.no_grad()
 def micro_batch_stats(inp: LossInputs, beta: float) -> dict:
     lp, lp_beh, mask = inp.lp.detach(), inp.lp_beh, inp.mask
-    log_rho = lp - lp_beh
+    log_rho = torch.clamp(lp - lp_beh, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)   # the losses' guard
     k3 = torch.exp(log_rho) - 1.0 - log_rho
     detached = LossInputs(lp=lp, lp_beh=lp_beh, lp_ref=inp.lp_ref, mask=mask, rewards=inp.rewards,
                           t_tot=inp.t_tot, n_seq_tot=inp.n_seq_tot)

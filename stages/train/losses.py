@@ -52,9 +52,23 @@ def aggregate(loss_tok: Tensor, inp: LossInputs, how: str) -> Tensor:
     return per_seq.sum() / inp.n_seq_tot
 
 
+# Guard on every ratio exponent (verl's core_algos clamps the same way). Deviation from the
+# spec's formulas, which exponentiate directly: in fp32 exp overflows past 88.7, and one
+# token with lp - lp_beh > 88.7 (or lp_beh = -inf from an engine) made the whole update
+# non-finite. Inside +-20 the clamp is the identity, so the spec's oracles are unchanged;
+# outside it the ratio is held at e^+-20 with zero gradient (the PPO clip bounds those
+# tokens' contribution anyway).
+LOG_RATIO_BOUND = 20.0
+
+
+def safe_exp_ratio(log_ratio: Tensor) -> Tensor:
+    """exp(clamp(log_ratio, -20, 20)): a finite ratio for any finite or infinite input."""
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+
+
 def ppo_clipped_pg(adv: Tensor, log_ratio: Tensor, cfg: TrainConfig) -> tuple[Tensor, Tensor]:
     """PPO surrogate with dual clip. adv [G, m, 1], log_ratio [G, m, T] -> (pg, clipped)."""
-    rho = torch.exp(log_ratio)
+    rho = safe_exp_ratio(log_ratio)
     pg1 = -adv * rho
     pg2 = -adv * torch.clamp(rho, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
     pg = torch.maximum(pg1, pg2)
@@ -91,7 +105,7 @@ def grpo_tis_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, 
     adv = group_advantages(inp.rewards, cfg.eps_adv)[..., None]
     pg, clipped = ppo_clipped_pg(adv, inp.lp - inp.lp_old, cfg)
     log_w = (inp.lp_old - inp.lp_beh).detach()
-    w = torch.clamp(torch.exp(log_w), max=cfg.tis_cap)
+    w = torch.clamp(safe_exp_ratio(log_w), max=cfg.tis_cap)
     k3 = k3_to_reference(inp.lp, inp.lp_ref)
     loss = aggregate(w * pg + cfg.beta * k3, inp, cfg.aggregation)
     with torch.no_grad():

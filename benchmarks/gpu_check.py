@@ -1,0 +1,310 @@
+"""One-shot GPU check at Qwen3-1.7B scale, with nothing from the internet (run on demand).
+
+    .venv/bin/python benchmarks/gpu_check.py [--out figures.json]    # one H200: about 3-5 min
+    .venv/bin/python benchmarks/gpu_check.py --quick                 # CPU smoke run, about 1 min
+
+Builds a randomly initialised model with Qwen3-1.7B's architecture (28 layers, hidden 2048,
+16 heads / 8 KV heads of 128, MLP 6144, vocab 151,936, tied embeddings) and a small BPE
+tokenizer trained here on generated text, saves both as an HF folder in a temp directory,
+then reports, each section on its own so one failure does not hide the others:
+
+  (a) train: one optimizer update at the preset geometry (32 groups x 8 responses, method
+      GGPO, bf16 autocast, gradient checkpointing, the preset's micro-batch token budget)
+      with 1,024- and 3,072-token responses of random token ids after short prompts:
+      seconds, response tokens/s, MFU = 6 x params x (prompt + response tokens) / seconds /
+      989e12 (H200 dense bf16 peak; policy forward + backward only, so the reference
+      forward and checkpoint recompute count as overhead), and peak GPU memory.
+  (b) the transformers engine's generation tokens/s (64 prompts x 256 new tokens).
+  (c) vLLM's generation tokens/s through the project's VLLMEngine, or "vllm: not installed".
+
+Uses from the project: pipeline.runtime.make_runtime (Runtime.prepare / prepare_reference),
+stages.train.loop.Pool and run_update(..., runtime=rt), pipeline.engines.hf.TransformersEngine,
+pipeline.engines.vllm_engine.VLLMEngine, pipeline.config.load_config, pipeline.tiny_model.save.
+All figures go to stdout, and as JSON to --out when given.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a plain script
+
+import torch  # noqa: E402
+
+PEAK_FLOPS = 989e12     # H200 SXM dense bf16
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+FULL = dict(layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=6144,
+            vocab=151_936, tok_vocab=8_000, groups=32, group_size=8, prompt_len=32,
+            lengths=[1024, 3072], gen_prompts=64, gen_tokens=256, vllm_prompts=128, vllm_n=8,
+            vllm_tokens=512)
+QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
+             vocab=512, tok_vocab=300, groups=2, group_size=8, prompt_len=8,
+             lengths=[64], gen_prompts=4, gen_tokens=16, vllm_prompts=4, vllm_n=2, vllm_tokens=16)
+
+
+def section(title: str) -> None:
+    print(f"\n== {title} ==", flush=True)
+
+
+def environment() -> dict:
+    import transformers
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    try:
+        import vllm
+        env["vllm"] = vllm.__version__
+    except Exception:   # not installed, or installed but broken: reported, not fatal
+        env["vllm"] = None
+    for k, v in env.items():
+        print(f"{k:13s} {v}")
+    return env
+
+
+def corpus(n_lines: int, seed: int = 0) -> list[str]:
+    """Generated text for the tokenizer: arithmetic, words and code-like lines."""
+    rng = random.Random(seed)
+    words = ["the", "sum", "of", "and", "is", "let", "find", "value", "prove", "that", "number",
+             "answer", "boxed", "step", "therefore", "def", "return", "if", "for", "in", "x", "y"]
+    lines = []
+    for _ in range(n_lines):
+        a, b = rng.randint(0, 9999), rng.randint(0, 9999)
+        lines.append(f"{' '.join(rng.choices(words, k=rng.randint(3, 12)))} {a} + {b} = {a + b}.")
+    return lines
+
+
+def build_tokenizer(vocab_size: int):
+    """A byte-level BPE trained here (specials first: pad 0, bos 1, eos 2, unk 3)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(corpus(20_000), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")
+
+
+def build_model(g: dict, device: torch.device):
+    """Qwen3-1.7B's architecture (or the --quick miniature), random init, fp32, on `device`."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    config = Qwen3Config(
+        vocab_size=g["vocab"], hidden_size=g["hidden"], num_hidden_layers=g["layers"],
+        num_attention_heads=g["heads"], num_key_value_heads=g["kv_heads"], head_dim=g["head_dim"],
+        intermediate_size=g["intermediate"], tie_word_embeddings=True, max_position_embeddings=40_960,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with torch.device(device):      # initialise on the GPU: seconds instead of a minute on CPU
+        model = Qwen3ForCausalLM(config)
+    return model
+
+
+def make_pool(g: dict, length: int, seed: int):
+    """A pool of random token ids: `groups` groups x `group_size` responses of `length`
+    tokens, mixed 0/1 rewards per group, behaviour log-probs near a uniform model's."""
+    from stages.train.loop import Pool
+    rng = random.Random(seed)
+    m, n, top = g["group_size"], g["groups"], g["vocab"] - 1
+    lp = -float(torch.log(torch.tensor(float(g["vocab"]))))
+    rewards = torch.zeros(n, m, dtype=torch.float64)
+    for j in range(n):
+        rewards[j, rng.sample(range(m), rng.randint(1, m - 1))] = 1.0
+    return Pool(group_ids=list(range(n)),
+                prompt_ids=[[rng.randint(4, top) for _ in range(g["prompt_len"])] for _ in range(n)],
+                responses=[[[rng.randint(4, top) for _ in range(length)] for _ in range(m)] for _ in range(n)],
+                lp_beh=[[[lp] * length for _ in range(m)] for _ in range(n)],
+                rewards=rewards, group_size=m)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def one_update(model, reference, opt, pool, cfg, rt, n_params: int) -> dict:
+    """run_update + optimizer step, timed; the figures of one update."""
+    from stages.train.loop import run_update
+    if rt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    groups = list(range(len(pool.group_ids)))
+    sync(rt.device)
+    t0 = time.perf_counter()
+    row = run_update(model, reference, pool, groups, cfg, 0, lp_old=None, runtime=rt)
+    sync(rt.device)
+    t1 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(rt.device)
+    seconds = time.perf_counter() - t0
+    all_tokens = sum(len(pool.prompt_ids[j]) + len(r) for j in groups for r in pool.responses[j])
+    out = {"response_tokens": row["tokens"], "all_tokens": all_tokens, "seconds": round(seconds, 3),
+           "fwd_bwd_seconds": round(t1 - t0, 3), "step_seconds": round(seconds - (t1 - t0), 3),
+           "tokens_per_s": round(row["tokens"] / seconds, 1),
+           "mfu": round(6 * n_params * all_tokens / seconds / PEAK_FLOPS, 4),
+           "loss": row["loss"], "grad_norm": row["grad_norm"]}
+    if rt.device.type == "cuda":
+        out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
+
+
+def train_section(model, g: dict, args) -> dict:
+    """(a): one update per response length, after an untimed warm-up update."""
+    import copy
+
+    from pipeline.config import load_config
+    from pipeline.runtime import make_runtime
+    cfg = load_config("tiny", {
+        "train.method": "ggpo", "train.groups_per_update": g["groups"], "rollout.group_size": g["group_size"],
+        "rollout.temperature": 1.0, "train.micro_batch_tokens": args.micro_batch_tokens,
+        "train.gradient_checkpointing": True, "train.device": "auto", "train.dtype": "auto"})
+    rt = make_runtime(cfg.train)
+    print(f"runtime: device {rt.device}, autocast {rt.autocast_dtype}, checkpointing {rt.gradient_checkpointing}, "
+          f"micro_batch_tokens {cfg.train.micro_batch_tokens}, logprob {rt.logprob_impl}/{rt.chunk_tokens}")
+    reference = rt.prepare_reference(copy.deepcopy(model))
+    policy = rt.prepare(model)
+    policy.train()
+    n_params = sum(p.numel() for p in policy.parameters())
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas))
+    result = {"params": n_params, "micro_batch_tokens": cfg.train.micro_batch_tokens, "updates": []}
+    print(f"params {n_params / 1e9:.3f} B")
+    warm = make_pool(g | {"groups": 2}, 64, seed=1)   # kernels, allocator and optimizer state
+    one_update(policy, reference, opt, warm, cfg, rt, n_params)
+    for length in g["lengths"]:
+        try:
+            r = {"response_length": length} | one_update(policy, reference, opt, make_pool(g, length, seed=length),
+                                                          cfg, rt, n_params)
+        except torch.OutOfMemoryError as exc:
+            r = {"response_length": length, "error": f"out of memory: {str(exc)[:300]}"}
+            torch.cuda.empty_cache()
+        print(json.dumps(r))
+        result["updates"].append(r)
+    del policy, reference, opt
+    return result
+
+
+def transformers_section(folder: Path, g: dict, device: torch.device, threads: int) -> dict:
+    """(b): TransformersEngine generation on the model folder."""
+    from pipeline.engines import SamplingParams
+    from pipeline.engines.hf import TransformersEngine
+    kwargs = {"batch_prompts": g["gen_prompts"], "threads": threads}
+    if "device" in inspect.signature(TransformersEngine.__init__).parameters:
+        kwargs["device"] = str(device)
+    elif device.type == "cuda":
+        msg = "TransformersEngine takes no device argument yet: not run on cuda (a 1.7B model on CPU is too slow)"
+        print(msg)
+        return {"skipped": msg}
+    t0 = time.perf_counter()
+    engine = TransformersEngine(str(folder), **kwargs)
+    load_s = time.perf_counter() - t0
+    prompts = corpus(g["gen_prompts"], seed=7)
+    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=g["gen_tokens"], seed=0)
+    sync(device)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync(device)
+    secs = time.perf_counter() - t0
+    tokens = sum(len(c.token_ids) for grp in outs for c in grp)
+    r = {"device": kwargs.get("device", "cpu"), "prompts": len(prompts), "max_new_tokens": g["gen_tokens"],
+         "tokens": tokens, "load_seconds": round(load_s, 2), "seconds": round(secs, 2),
+         "tokens_per_s": round(tokens / secs, 1)}
+    print(json.dumps(r))
+    return r
+
+
+def vllm_section(folder: Path, g: dict) -> dict:
+    """(c): the project's VLLMEngine (one engine, this GPU) on the model folder."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:
+        print(f"vllm: not installed ({type(exc).__name__})")
+        return {"skipped": "vllm: not installed"}
+    from pipeline.engines import SamplingParams
+    from pipeline.engines.vllm_engine import VLLMEngine
+    t0 = time.perf_counter()
+    engine = VLLMEngine(str(folder), gpu_memory_utilization=0.6)
+    init_s = time.perf_counter() - t0
+    try:
+        prompts = corpus(g["vllm_prompts"], seed=8)
+        params = SamplingParams(n=g["vllm_n"], temperature=1.0, top_p=1.0, max_new_tokens=g["vllm_tokens"], seed=0)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        secs = time.perf_counter() - t0
+    finally:
+        engine.close()
+    tokens = sum(len(c.token_ids) for grp in outs for c in grp)
+    lps = [x for grp in outs for c in grp for x in c.logprobs]
+    r = {"prompts": len(prompts), "n": g["vllm_n"], "max_new_tokens": g["vllm_tokens"], "tokens": tokens,
+         "init_seconds": round(init_s, 1), "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1),
+         "mean_logprob": round(sum(lps) / len(lps), 3)}
+    print(json.dumps(r))
+    return r
+
+
+def guarded(name: str, results: dict, fn, *a) -> None:
+    """Runs one section; a failure is printed and recorded, and the next section still runs."""
+    section(name)
+    t0 = time.perf_counter()
+    try:
+        results[name] = fn(*a)
+    except Exception as exc:
+        traceback.print_exc()
+        results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    print(f"({name}: {time.perf_counter() - t0:.1f} s)")
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="miniature model, CPU-sized (smoke run)")
+    ap.add_argument("--out", help="also write the figures as JSON here")
+    ap.add_argument("--micro-batch-tokens", type=int, default=32768, help="train.micro_batch_tokens (preset: 32768)")
+    ap.add_argument("--threads", type=int, default=4, help="torch threads for CPU work")
+    ap.add_argument("--skip", action="append", default=[], choices=["train", "transformers", "vllm"])
+    args = ap.parse_args()
+    g = QUICK if args.quick else FULL
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    start = time.perf_counter()
+    section("environment")
+    results: dict = {"environment": environment(), "quick": args.quick, "geometry": g}
+    with tempfile.TemporaryDirectory(prefix="ggpo-gpu-check-") as tmp:
+        section("model")
+        from pipeline.tiny_model import save
+        t0 = time.perf_counter()
+        tok = build_tokenizer(g["tok_vocab"])
+        model = build_model(g, device)
+        folder = Path(tmp) / "model"
+        save(model, tok, folder)
+        print(f"built and saved {folder} in {time.perf_counter() - t0:.1f} s "
+              f"(tokenizer vocab {len(tok)}, model vocab {g['vocab']})")
+        if "train" not in args.skip:
+            guarded("train", results, train_section, model, g, args)
+        del model
+        if "transformers" not in args.skip:
+            guarded("transformers", results, transformers_section, folder, g, device, args.threads)
+        if "vllm" not in args.skip:
+            guarded("vllm", results, vllm_section, folder, g)
+    results["total_seconds"] = round(time.perf_counter() - start, 1)
+    section("summary")
+    print(json.dumps(results, indent=1, default=str))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

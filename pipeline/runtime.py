@@ -1,0 +1,111 @@
+"""Where and in what precision the trainer runs: prepared once, handed to the loop.
+
+`make_runtime(train_cfg)` resolves `train.device` (auto: CUDA when available, else CPU)
+and `train.dtype` (auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU).
+The policy keeps fp32 weights and optimizer state (AdamW in mixed precision); only its
+forward runs under autocast. The reference is frozen and never trained, so under bf16 it
+is stored in bf16 (half the memory) on the training device, or on the CPU with
+`train.reference_device=cpu`. Gradient checkpointing is transformers' non-reentrant one.
+The loop never asks `torch.cuda` itself: everything device-specific lives here.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.config import ConfigError, TrainConfig
+
+
+@dataclass(frozen=True)
+class Runtime:
+    device: torch.device
+    autocast_dtype: torch.dtype | None      # None: plain fp32
+    reference_device: torch.device
+    gradient_checkpointing: bool
+    chunk_tokens: int                       # LM-head chunk for log-probs (tokens)
+    logprob_impl: str                       # "chunked" | "full"
+
+    def autocast(self):
+        """The forward's precision context (fp32 master weights stay fp32)."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def prepare(self, model):
+        """The trained policy: fp32 weights on the device, checkpointing as configured."""
+        model = model.to(device=self.device, dtype=torch.float32)
+        if self.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.config.use_cache = False
+        return model
+
+    def prepare_reference(self, model):
+        """The frozen reference: bf16 when training runs in bf16, on `reference_device`."""
+        dtype = self.autocast_dtype or torch.float32
+        model = model.to(device=self.reference_device, dtype=dtype)
+        model.requires_grad_(False)
+        return model.eval()
+
+
+def resolve_device(name: str, setting: str = "train.device") -> torch.device:
+    """'auto' | 'cpu' | 'cuda' -> a device; 'cuda' without CUDA is a clear ConfigError."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"{setting}=cuda but this torch ({torch.__version__}) sees no CUDA device: "
+            f"use {setting}=auto (or cpu) here, or install a CUDA build of torch on a GPU machine")
+    return torch.device(name)
+
+
+def make_runtime(tc: TrainConfig) -> Runtime:
+    device = resolve_device(tc.device)
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else None,
+             "float32": None, "bfloat16": torch.bfloat16}[tc.dtype]
+    ref_device = torch.device("cpu") if tc.reference_device == "cpu" else device
+    return Runtime(device=device, autocast_dtype=dtype, reference_device=ref_device,
+                   gradient_checkpointing=tc.gradient_checkpointing,
+                   chunk_tokens=tc.logprob_chunk_tokens, logprob_impl=tc.logprob_impl)
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def preflight(cfg) -> None:
+    """Bad settings that would fail hours into a run, caught before any work, each as one
+    ConfigError naming the setting and what to do. `cfg` is a PipelineConfig."""
+    resolve_device(cfg.train.device)
+    if cfg.rollout.engine == "vllm":
+        import importlib.util
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError("rollout.engine=vllm needs vLLM: pip install -e '.[gpu]' on a CUDA machine, "
+                              "or use rollout.engine=transformers")
+        resolve_device("cuda", "rollout.engine=vllm (which needs a GPU): train.device")
+    if cfg.model.name_or_path:
+        _check_model_folder(cfg)
+
+
+def _check_model_folder(cfg) -> None:
+    """A local HF folder has a tokenizer, and its context holds the response budgets."""
+    import json
+    from pathlib import Path
+    folder = Path(cfg.model.name_or_path)
+    if not folder.exists():
+        if cfg.model.name_or_path.startswith((".", "/", "~")):
+            raise ConfigError(f"model.name_or_path={cfg.model.name_or_path}: no such folder")
+        return      # a hub id: transformers resolves it (needs internet)
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ConfigError(f"model.name_or_path={folder}: the folder has no tokenizer (none of "
+                          f"{', '.join(TOKENIZER_FILES)}); save the tokenizer next to the weights "
+                          "(tokenizer.save_pretrained(folder))")
+    config_file = folder / "config.json"
+    if not config_file.exists():
+        raise ConfigError(f"model.name_or_path={folder}: no config.json; is this a Hugging Face model folder?")
+    context = json.loads(config_file.read_text()).get("max_position_embeddings")
+    for setting, budget in (("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+                            ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
+        if context is not None and budget >= context:
+            raise ConfigError(f"{setting}={budget} does not fit the model's context of {context} tokens "
+                              f"(max_position_embeddings in {config_file}) with any prompt: lower {setting}")

@@ -1,0 +1,46 @@
+"""Micro-batches of whole groups under a token budget (a pure function, tested alone).
+
+A micro-batch holds whole groups (a group's m responses share one advantage baseline and
+must stay together). Its rows are right-padded to its longest row, so its cost is
+rows x longest row (prompt + response tokens). Groups are taken longest first and a
+micro-batch is closed when the next group would push rows x width over the budget, so
+little padding is spent and peak memory follows the budget, not the longest responses.
+A group that alone exceeds the budget gets a micro-batch of its own (it cannot be split).
+
+The loss is token-mean over the whole update with the global T_tot (losses.py), so how
+an update is split never changes its value, only the floating-point summation order.
+"""
+from __future__ import annotations
+
+
+def group_width(prompt_len: int, response_lens: list[int]) -> int:
+    """Padded row length of a group: prompt + its longest response."""
+    return prompt_len + max(response_lens, default=0)
+
+
+def pack_groups(groups: list[int], widths: dict[int, int], rows_per_group: int,
+                budget: int) -> list[list[int]]:
+    """groups (update order) -> micro-batches of groups, longest first, each with
+    rows x max width <= budget unless a single group already exceeds it."""
+    if budget < 1:
+        raise ValueError(f"train.micro_batch_tokens must be >= 1, got {budget}")
+    order = sorted(range(len(groups)), key=lambda i: (-widths[groups[i]], i))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i in order:
+        g = groups[i]
+        new_width = max(width, widths[g])
+        if current and (len(current) + 1) * rows_per_group * new_width > budget:
+            batches.append(current)
+            current, new_width = [], widths[g]
+        current.append(g)
+        width = new_width
+    if current:
+        batches.append(current)
+    return batches
+
+
+def split_by_count(groups: list[int], per_batch: int) -> list[list[int]]:
+    """The older split: `per_batch` groups per micro-batch, in update order."""
+    return [groups[i:i + per_batch] for i in range(0, len(groups), per_batch)]

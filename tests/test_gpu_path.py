@@ -1,0 +1,202 @@
+"""The real-model training path, checked on CPU: token-budget micro-batches give the same
+update, the ratio guard keeps extreme behavior log-probs finite, the chunked log-probs equal
+the full-logits ones inside the trainer, and bad GPU settings fail before any work."""
+import json
+import math
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.config import ConfigError, load_config
+from pipeline.runtime import make_runtime, preflight
+from pipeline.store import Store
+from stages import train
+from stages.train import loop
+from stages.train.losses import LossInputs, get_loss
+from stages.train.packing import pack_groups, split_by_count
+
+
+# --- packing -----------------------------------------------------------------------
+
+def test_pack_groups_keeps_groups_whole_and_under_budget():
+    widths = {0: 10, 1: 40, 2: 25, 3: 40, 4: 5, 5: 90}
+    groups = [3, 0, 5, 1, 4, 2]
+    batches = pack_groups(groups, widths, rows_per_group=2, budget=170)
+    assert sorted(g for b in batches for g in b) == sorted(groups)        # each group exactly once
+    assert batches[0] == [5]                                              # longest first
+    for b in batches:
+        cost = len(b) * 2 * max(widths[g] for g in b)
+        assert cost <= 170 or len(b) == 1
+    assert [widths[b[0]] for b in batches] == sorted((widths[b[0]] for b in batches), reverse=True)
+    assert pack_groups(groups, widths, 2, budget=10) == [[5], [3], [1], [2], [0], [4]]   # one group each
+    assert pack_groups(groups, widths, 2, budget=10**6) == [[5, 3, 1, 2, 0, 4]]
+    assert split_by_count(groups, 4) == [[3, 0, 5, 1], [4, 2]]
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        pack_groups(groups, widths, 2, budget=0)
+
+
+SPLITS = [["train.micro_batch_groups=8"], ["train.micro_batch_groups=3"],
+          ["train.micro_batch_tokens=300"], ["train.micro_batch_tokens=1000"], ["train.micro_batch_tokens=100000"]]
+
+
+@pytest.mark.parametrize("method", ["grpo_tis", "ggpo"])
+def test_token_budgets_give_the_same_update(tmp_path, base_manifest, pool, method):
+    """Three token budgets and two group-count splits: the same loss and grad norm per
+    update (1e-5 relative) and the same weights after two updates (1e-6 absolute)."""
+    runs = []
+    for i, split in enumerate(SPLITS):
+        cfg = load_config("smoke", [f"train.method={method}", "train.updates=2", "train.updates_per_step=2"] + split)
+        m = train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=Store(tmp_path / str(i)))
+        runs.append((pl.read_parquet(m.path("metrics")), load_file(m.path("weights"))))
+    metrics0, weights0 = runs[0]
+    for metrics, weights in runs[1:]:
+        for col in ("loss", "grad_norm", "k3_mismatch", "entropy"):
+            a, b = metrics0[col].to_list(), metrics[col].to_list()
+            assert all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-9) for x, y in zip(a, b)), (col, a, b)
+        assert max(float((weights0[k] - weights[k]).abs().max()) for k in weights0) < 1e-6
+    assert metrics0["grad_norm"][0] > 0
+
+
+def test_token_budget_bounds_micro_batches(pool):
+    cfg = load_config("smoke", ["train.micro_batch_tokens=300"])
+    p = loop.load_pool(pool[2].path("train_pool"), 8)
+    groups = list(range(len(p.group_ids)))
+    batches = loop.micro_batches(p, groups, cfg.train)
+    widths = [max(len(p.prompt_ids[g]) + max(map(len, p.responses[g])) for g in b) for b in batches]
+    assert sorted(g for b in batches for g in b) == groups
+    assert all(len(b) * 8 * w <= 300 or len(b) == 1 for b, w in zip(batches, widths))
+    assert len(batches) > 1
+
+
+# --- the ratio guard -----------------------------------------------------------------
+
+def _extreme_inputs(lp_beh_value: float) -> LossInputs:
+    torch.manual_seed(0)
+    shape = (2, 4, 5)
+    lp = (-torch.rand(shape) * 2).requires_grad_(True)
+    lp_beh = lp.detach() - 0.1
+    lp_beh[0, 1, 2] = lp_beh_value          # one token the engine found (nearly) impossible
+    return LossInputs(lp=lp, lp_beh=lp_beh, lp_ref=lp.detach() + 0.05, mask=torch.ones(shape),
+                      rewards=torch.tensor([[1.0, 0, 0, 1], [0, 1, 0, 0]]), t_tot=40.0, n_seq_tot=8,
+                      lp_old=lp.detach() + 0.02)
+
+
+@pytest.mark.parametrize("lp_beh_value", [-100.0, float("-inf")])
+@pytest.mark.parametrize("method", ["grpo", "grpo_tis", "agro", "ggpo"])
+def test_ratio_guard_keeps_losses_and_gradients_finite(method, lp_beh_value):
+    inp = _extreme_inputs(lp_beh_value)
+    cfg = load_config("smoke", [f"train.method={method}"]).train
+    loss, metrics = get_loss(method)(inp, cfg)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(inp.lp.grad).all()
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+def test_ratio_guard_leaves_ordinary_ratios_alone():
+    """Inside +-20 the clamp is the identity: the spec's formula, exactly."""
+    inp = _extreme_inputs(-1.0)
+    cfg = load_config("smoke", ["train.method=grpo"]).train
+    loss, _ = get_loss("grpo")(inp, cfg)
+    rho = torch.exp(inp.lp - inp.lp_beh)
+    adv = ((inp.rewards - inp.rewards.mean(1, keepdim=True)) / (inp.rewards.std(1, keepdim=True) + 1e-6))[..., None]
+    pg = torch.maximum(-adv * rho, -adv * rho.clamp(0.8, 1.2))
+    pg = torch.where(adv < 0, torch.minimum(pg, -adv * 3.0), pg)
+    d = (inp.lp_ref - inp.lp).clamp(-20, 20)
+    expected = (pg + 0.01 * (torch.exp(d) - d - 1).clamp(-10, 10)).sum() / 40.0
+    assert torch.allclose(loss, expected, atol=1e-7)
+
+
+def test_pool_with_non_finite_behavior_logprobs(tmp_path, pool):
+    df = pl.read_parquet(pool[2].path("train_pool"))
+
+    def poisoned(value):
+        return df.with_columns(pl.when(pl.int_range(pl.len()) == 5)
+                               .then(pl.col("behavior_logprobs").list.eval(pl.when(pl.int_range(pl.len()) == 1)
+                                                                           .then(value).otherwise(pl.element())))
+                               .otherwise(pl.col("behavior_logprobs")).alias("behavior_logprobs"))
+    path = tmp_path / "pool.parquet"
+    poisoned(float("nan")).write_parquet(path)
+    with pytest.raises(loop.TrainingError, match=r"pool\.parquet: row \(group \d+, sample 5\) has behavior log-prob nan "
+                                                 r"at response token 1"):
+        loop.load_pool(path, 8)
+    poisoned(float("-inf")).write_parquet(path)
+    p = loop.load_pool(path, 8)
+    assert p.lp_beh[0][5][1] == loop.LP_BEH_FLOOR
+
+
+# --- chunked log-probs inside the trainer ----------------------------------------------
+
+def test_chunked_and_full_logprobs_train_alike(tmp_path, base_manifest, pool):
+    """The same two GGPO updates through the chunked LM head and the full-logits path."""
+    out = []
+    for i, impl in enumerate(["full", "chunked"]):
+        cfg = load_config("smoke", ["train.method=ggpo", "train.updates=2", f"train.logprob_impl={impl}",
+                                    "train.logprob_chunk_tokens=37"])
+        m = train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=Store(tmp_path / str(i)))
+        out.append((pl.read_parquet(m.path("metrics")), load_file(m.path("weights"))))
+    (ma, wa), (mb, wb) = out
+    for col in ("loss", "grad_norm", "entropy"):
+        assert all(math.isclose(x, y, rel_tol=1e-5) for x, y in zip(ma[col], mb[col])), col
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-6
+
+
+# --- runtime and bad settings ----------------------------------------------------------
+
+def test_runtime_on_cpu_is_fp32_and_resolves_auto():
+    rt = make_runtime(load_config("smoke").train)
+    assert rt.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        assert rt.autocast_dtype is None and rt.reference_device.type == "cpu"
+    rt16 = make_runtime(load_config("smoke", ["train.dtype=bfloat16", "train.device=cpu"]).train)
+    assert rt16.autocast_dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_cuda_without_cuda_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"train\.device=cuda .* no CUDA device: use train\.device=auto"):
+        preflight(load_config("smoke", ["train.device=cuda"]))
+
+
+def test_vllm_without_vllm_is_one_clear_error():
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    with pytest.raises(ConfigError, match=r"rollout\.engine=vllm needs vLLM: pip install -e '\.\[gpu\]'"):
+        preflight(load_config("smoke", ["rollout.engine=vllm"]))
+
+
+def test_model_folder_checks(tmp_path, base_manifest):
+    from stages.base import model_path
+    src = model_path(base_manifest)
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
+    with pytest.raises(ConfigError, match=r"model\.name_or_path=.*no_tokenizer: the folder has no tokenizer"):
+        preflight(load_config("smoke", [f"model.name_or_path={no_tok}"]))
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens=4096 does not fit the model's context of 256"):
+        preflight(load_config("smoke", [f"model.name_or_path={src}", "rollout.max_new_tokens=4096"]))
+    preflight(load_config("smoke", [f"model.name_or_path={src}"]))       # a good folder passes
+
+
+def test_qwen_preset_has_the_paper_geometry():
+    cfg = load_config("qwen3-1.7b")
+    tc = cfg.train
+    assert (cfg.rollout.group_size, tc.groups_per_update, tc.updates_per_step) == (8, 32, 8)
+    assert (tc.lr, tc.beta, tc.updates, tc.eval_every) == (1e-6, 0.01, 400, 80)
+    assert cfg.rollout.engine == "vllm" and cfg.eval.n_samples == 32 and len(cfg.eval.benchmarks) == 5
+    assert cfg.task.name.endswith("math_train.parquet") and cfg.task.prompt == "plain"
+
+
+def test_pool_records_engine_trainer_mismatch(pool):
+    """On CPU the transformers engine and the trainer run one fp32 model with one log-prob
+    convention, so the recorded mismatch is ~0; a convention error would show here."""
+    summary = pool[0].summary
+    assert summary["mismatch_responses"] == 64
+    assert 0 <= summary["mismatch_k3"] < 1e-8
+    assert summary["mismatch_abs_log_ratio"] < 1e-4
+    assert summary["mismatch_ratio_outside_0.9_1.1"] == 0.0

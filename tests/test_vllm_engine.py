@@ -1,0 +1,216 @@
+"""The vLLM engine: shard/merge logic, explicit sampling params and the missing-vLLM error
+on CPU; a real generation under the `gpu` marker (needs vLLM, CUDA and a local HF folder in
+GGPO_TEST_MODEL, since the built-in tiny model may be too small for vLLM's kernels)."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.config import ConfigError
+from pipeline.engines import Completion, SamplingParams, make_engine
+from pipeline.engines import vllm_engine as ve
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def test_shard_ranges_tile_in_order_with_uneven_sizes():
+    assert ve.shard_ranges(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert ve.shard_ranges(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert ve.shard_ranges(5, 1) == [(0, 5)]
+    for n, k in [(1, 1), (7, 2), (64, 8), (65, 8), (3, 5)]:
+        r = ve.shard_ranges(n, k)
+        assert r[0][0] == 0 and r[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(r, r[1:]))          # contiguous
+        sizes = [e - s for s, e in r]
+        assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+def test_more_shards_than_prompts_gives_one_prompt_per_shard():
+    assert ve.shard_ranges(3, 8) == [(0, 1), (1, 2), (2, 3)]
+    assert ve.shard_ranges(0, 4) == []
+    with pytest.raises(ValueError):
+        ve.shard_ranges(4, 0)
+
+
+def test_merge_shards_restores_prompt_order():
+    n = 11
+    ranges = ve.shard_ranges(n, 4)
+    # each shard's result as a worker would return it: one entry per prompt of its range
+    results = [[f"p{i}" for i in range(s, e)] for s, e in ranges]
+    assert ve.merge_shards(ranges, results, n) == [f"p{i}" for i in range(n)]
+    # shards finishing in any order still land in place (results are matched by range)
+    assert ve.merge_shards(ranges[::-1], results[::-1], n) == [f"p{i}" for i in range(n)]
+
+
+def test_merge_shards_rejects_a_short_shard():
+    ranges = ve.shard_ranges(6, 2)
+    with pytest.raises(ValueError, match="shard 1 .* returned 2 results, expected 3"):
+        ve.merge_shards(ranges, [["a", "b", "c"], ["d", "e"]], 6)
+
+
+def test_prompt_seeds_depend_on_global_index_not_on_sharding():
+    seeds = [ve.prompt_seed(42, i) for i in range(100)]
+    assert len(set(seeds)) == 100                         # no two prompts share a stream
+    assert all(0 <= s < 2**62 for s in seeds)             # room for vLLM's seed + sample index
+    assert ve.prompt_seed(42, 7) == seeds[7] and ve.prompt_seed(43, 7) != seeds[7]
+
+
+def test_sampling_kwargs_are_fully_explicit():
+    kw = ve.vllm_sampling_kwargs(SamplingParams(n=8, temperature=0.7, top_p=1.0, max_new_tokens=3072, seed=5), seed=99)
+    assert kw == {"n": 8, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                  "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                  "max_tokens": 3072, "seed": 99, "logprobs": 0, "detokenize": False}
+
+
+def test_data_parallel_resolution():
+    assert ve.resolve_data_parallel("auto", 1, 8) == 8
+    assert ve.resolve_data_parallel("auto", 2, 8) == 4
+    assert ve.resolve_data_parallel("auto", 4, 2) == 1       # at least one engine
+    assert ve.resolve_data_parallel(3, 1, 8) == 3
+    assert ve.visible_gpus(2, "4,6") == ["4", "6"]
+    assert ve.visible_gpus(3, None) == ["0", "1", "2"]
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def _output(ids, lps, finish="length"):
+    # the shape of a vllm CompletionOutput with logprobs=0: one {token_id: Logprob} per step
+    steps = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, lps)]
+    return SimpleNamespace(index=0, token_ids=ids, logprobs=steps, finish_reason=finish)
+
+
+def test_completion_reads_the_sampled_token_logprob():
+    c = ve.completion_from_output(_output([5, 9, 2], [-0.5, -1.25, -3.0], "stop"), 0, _Tok())
+    assert c == Completion(token_ids=[5, 9, 2], logprobs=[-0.5, -1.25, -3.0], finish_reason="stop", text="5 9 2")
+
+
+@pytest.mark.parametrize("bad", [math.nan, -math.inf, None])
+def test_a_bad_logprob_raises_naming_prompt_and_position(bad):
+    out = _output([5, 9, 2], [-0.5, -1.0, -1.0])
+    out.logprobs[1] = {} if bad is None else {9: SimpleNamespace(logprob=bad)}
+    with pytest.raises(ve.VLLMOutputError, match="prompt 17, sample 0, token position 1 "):
+        ve.completion_from_output(out, 17, _Tok())
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_vllm_missing_is_one_clear_config_error(tmp_path):
+    with pytest.raises(ConfigError) as exc:
+        make_engine("vllm", str(tmp_path), 64, 1)
+    assert str(exc.value) == ("rollout.engine=vllm needs vLLM: pip install -e '.[gpu]' on a CUDA machine, "
+                              "or use rollout.engine=transformers")
+
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_vllm_without_cuda_is_a_clear_config_error(tmp_path, monkeypatch):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text("")    # importable, so the CUDA check is reached
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs a CUDA GPU .* use rollout.engine=transformers"):
+        make_engine("vllm", str(tmp_path), 64, 1)
+
+def _gpu_ready() -> bool:
+    if not HAS_VLLM:
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (_gpu_ready() and os.environ.get("GGPO_TEST_MODEL")),
+                    reason="needs vLLM, CUDA and GGPO_TEST_MODEL=<local HF model folder>")
+def test_vllm_generates_with_finite_logprobs():
+    from pipeline.config import load_config
+    rc = load_config("tiny", {"rollout.engine": "vllm", "rollout.data_parallel": 1,
+                              "rollout.gpu_memory_utilization": 0.5}).rollout
+    engine = make_engine("vllm", os.environ["GGPO_TEST_MODEL"], 64, 1, rollout_cfg=rc)
+    params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=3)
+    prompts = ["1 + 1 =", "The capital of France is", "def f(x):"]
+    outs = engine.generate(prompts, params)
+    assert len(outs) == 3 and all(len(g) == 4 for g in outs)
+    for group in outs:
+        for c in group:
+            assert 1 <= len(c.token_ids) <= 16 and len(c.logprobs) == len(c.token_ids)
+            assert all(math.isfinite(x) and x <= 0 for x in c.logprobs)
+            assert c.finish_reason in ("stop", "length")
+    # per-prompt seeds: the same call again gives the same tokens
+    again = engine.generate(prompts, params)
+    assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in outs]
+    assert engine.tokenizer(prompts[0])["input_ids"]
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_a_failing_shard_process_is_reported_with_its_gpus(tmp_path):
+    """The real spawn/pipe path: each shard process starts, cannot build its engine (no
+    vLLM here) and the parent raises naming the shard, its GPUs and the child's error."""
+    from pipeline.tiny_model import build_tokenizer
+    build_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match=r"(?s)vLLM shard 0 on CUDA_VISIBLE_DEVICES=3 failed.*No module named 'vllm'"):
+        ve.VLLMEngine(str(tmp_path), data_parallel=2, gpu_ids=["3", "5"])
+
+
+# A stand-in `vllm` package for the shard processes only (vLLM cannot run on this machine):
+# it answers like vLLM's LLM.generate, with tokens that reveal which prompt, which seed and
+# which CUDA_VISIBLE_DEVICES produced them, and samples in scrambled order.
+FAKE_VLLM = '''
+import os
+from types import SimpleNamespace as NS
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+class LLM:
+    def __init__(self, model, **kw):
+        assert kw["logprobs_mode"] == "processed_logprobs" and kw["generation_config"] == "vllm"
+
+    def generate(self, requests, sps, use_tqdm=True):
+        gpu = int(os.environ["CUDA_VISIBLE_DEVICES"])
+        out = []
+        for req, sp in zip(requests, sps):
+            toks = lambda j: [len(req["prompt_token_ids"]), (sp.seed + j) % 97, gpu]
+            samples = [NS(index=j, token_ids=toks(j), finish_reason="length",
+                          logprobs=[{t: NS(logprob=-1.5)} for t in toks(j)]) for j in range(sp.n)]
+            out.append(NS(outputs=samples[::-1]))
+        return out
+'''
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_sharded_engine_merges_in_prompt_order_and_stops_its_processes(tmp_path, monkeypatch):
+    from pipeline.tiny_model import build_tokenizer
+    model = tmp_path / "model"
+    build_tokenizer().save_pretrained(model)
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    monkeypatch.syspath_prepend(str(tmp_path))        # spawned children inherit sys.path
+    engine = ve.VLLMEngine(str(model), data_parallel=2, gpu_ids=["3", "5"], seed=1)
+    procs = [p for p, _, _ in engine._workers]
+    try:
+        prompts = ["a", "bb", "ccc", "dddd", "eeeee"]
+        params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=11)
+        outs = engine.generate(prompts, params)
+        lens = [len(engine.tokenizer(p)["input_ids"]) for p in prompts]
+        gpus = [3, 3, 3, 5, 5]                        # shards (0..2) and (3..4)
+        assert [[c.token_ids for c in g] for g in outs] == [
+            [[lens[i], (ve.prompt_seed(11, i) + j) % 97, gpus[i]] for j in range(2)] for i in range(5)]
+        assert outs[0][0].logprobs == [-1.5, -1.5, -1.5]
+        # the same processes serve a second call
+        again = engine.generate(prompts[:2], params)
+        assert [[c.token_ids for c in g] for g in again] == [[c.token_ids for c in g] for g in outs[:1]] + [
+            [[lens[1], (ve.prompt_seed(11, 1) + j) % 97, 5] for j in range(2)]]
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in procs)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.generate(prompts, params)
