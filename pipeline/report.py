@@ -13,19 +13,30 @@ from pathlib import Path
 import polars as pl
 
 
-def training_curves(trained, method: str, seed: int) -> pl.DataFrame:
-    """The figure's per-update series of one training manifest, labelled by method and seed."""
-    return (pl.read_parquet(trained.path("metrics"), columns=["update", "abs_log_ratio", "ess", "grad_norm"])
-            .with_columns(pl.lit(method).alias("method"), pl.lit(seed).alias("seed")))
+def training_curves(trained, method: str, seed: int, cell: str | None = None) -> pl.DataFrame:
+    """The figure's per-update series of one training manifest, labelled by method and seed
+    (and by its grid cell's label, when the experiment has a grid)."""
+    curves = (pl.read_parquet(trained.path("metrics"), columns=["update", "abs_log_ratio", "ess", "grad_norm"])
+              .with_columns(pl.lit(method).alias("method"), pl.lit(seed).alias("seed")))
+    return curves if cell is None else curves.with_columns(pl.lit(cell).alias("cell"))
+
+
+def label_column(frame: pl.DataFrame) -> str:
+    """What a row of the table is: the grid cell ("ggpo t_ref=8 lr=1e-4") when the records
+    carry one (pipeline/grid.py columns), else the method."""
+    return "cell" if "cell" in frame.columns else "method"
 
 
 def summarize(evals: pl.DataFrame) -> pl.DataFrame:
-    """evals: method, seed, update, accuracy -> method, update, mean, std, seeds."""
-    order = {m: i for i, m in enumerate(evals["method"].unique(maintain_order=True).to_list())}
-    return (evals.group_by(["method", "update"], maintain_order=True)
+    """evals: method, seed, update, accuracy [, cell, grid fields] -> method (or cell),
+    update, mean, std, seeds [, method, grid fields]: one row per cell and update."""
+    by = label_column(evals)
+    extra = [c for c in evals.columns if c not in (by, "seed", "update", "accuracy")]   # constant per cell
+    order = {m: i for i, m in enumerate(evals[by].unique(maintain_order=True).to_list())}
+    return (evals.group_by([by, "update"], maintain_order=True)
             .agg(pl.col("accuracy").mean().alias("mean"), pl.col("accuracy").std(ddof=1).alias("std"),
-                 pl.len().alias("seeds"))
-            .sort([pl.col("method").replace_strict(order), pl.col("update")]))
+                 pl.len().alias("seeds"), *[pl.col(c).first() for c in extra])
+            .sort([pl.col(by).replace_strict(order), pl.col("update")]))
 
 
 def cell(mean: float, std: float | None) -> str:
@@ -36,11 +47,12 @@ def cell(mean: float, std: float | None) -> str:
 
 def markdown(summary: pl.DataFrame, metric: str) -> str:
     updates = sorted(summary["update"].unique().to_list())
-    head = f"| method | " + " | ".join(f"update {u}" for u in updates) + " |"
+    by = label_column(summary)
+    head = f"| {by} | " + " | ".join(f"update {u}" for u in updates) + " |"
     lines = [f"Accuracy ({metric}, %, mean ± sample std over seeds)", "", head,
              "|" + "---|" * (len(updates) + 1)]
-    for method in summary["method"].unique(maintain_order=True).to_list():
-        rows = {r["update"]: r for r in summary.filter(pl.col("method") == method).iter_rows(named=True)}
+    for method in summary[by].unique(maintain_order=True).to_list():
+        rows = {r["update"]: r for r in summary.filter(pl.col(by) == method).iter_rows(named=True)}
         cells = [cell(rows[u]["mean"], rows[u]["std"]) if u in rows else "" for u in updates]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -52,15 +64,16 @@ def figure(evals: pl.DataFrame, curves: pl.DataFrame, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 4, figsize=(18, 4))
-    acc = evals.group_by(["method", "update"]).agg(pl.col("accuracy").mean()).sort("update")
+    by = label_column(evals)      # one line per cell with a grid, per method without
+    acc = evals.group_by([by, "update"]).agg(pl.col("accuracy").mean()).sort("update")
     panels = [("accuracy", acc, "accuracy (eval mean@n)")]
     for col, title in [("abs_log_ratio", "|log pi_theta - log pi_beh| (token mean)"),
                        ("ess", "normalized ESS (sequence weights)"), ("grad_norm", "grad norm")]:
-        data = (curves.drop_nulls(col).group_by(["method", "update"]).agg(pl.col(col).mean()).sort("update"))
+        data = (curves.drop_nulls(col).group_by([by, "update"]).agg(pl.col(col).mean()).sort("update"))
         panels.append((col, data, title))
     for ax, (col, data, title) in zip(axes, panels):
-        for method in evals["method"].unique(maintain_order=True).to_list():
-            d = data.filter(pl.col("method") == method)
+        for method in evals[by].unique(maintain_order=True).to_list():
+            d = data.filter(pl.col(by) == method)
             ax.plot(d["update"].to_list(), d[col].to_list(), label=method, marker="o" if col == "accuracy" else None)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("update")
@@ -93,25 +106,31 @@ def from_cache(cfg, store) -> tuple[pl.DataFrame, pl.DataFrame, list[tuple[str, 
     timings, records, curves = [], [], []
     base = load("base", cfg)
     timings.append(("base", base.seconds if base else None))
-    for seed in cfg.experiment.seeds:
-        cs = cfg.updated({"seed": seed})
+    from pipeline import grid
+    seen = set()       # pools and base evaluations that grid cells share are timed once
+    for cell in grid.cells(cfg):
+        cm, seed, method, label = cell.config, cell.seed, cell.method, cell.label
+        columns = grid.columns(cell, cfg)
         for stage in ("rollout", "verify", "filter"):
-            m = load(stage, cs)
-            timings.append((f"{stage} seed {seed}", m.seconds if m else None))
-        base_eval = load("evaluate", cs.updated({"eval.target": "base"}))
-        timings.append((f"evaluate base seed {seed}", base_eval.seconds if base_eval else None))
-        for method in cfg.experiment.methods:
-            cm = cs.updated({"train.method": method})
-            trained = load("train", cm)
-            timings.append((f"train {method} seed {seed}", trained.seconds if trained else None))
-            if trained:
-                curves.append(training_curves(trained, method, seed))
-            evals = [base_eval] + [load("evaluate", cm.updated({"eval.update": u}))
-                                   for u in cm.train.snapshot_updates() + [None]]
-            for e in evals[1:]:
-                timings.append((f"evaluate {method} seed {seed}", e.seconds if e else None))
-            records += [{"method": method, "seed": seed, "update": e.summary["update"], "accuracy": e.summary[key]}
-                        for e in evals if e]
+            m = load(stage, cm)
+            if (stage, dag.expected_key(stage, cm)) not in seen:
+                seen.add((stage, dag.expected_key(stage, cm)))
+                timings.append((f"{stage} seed {seed}", m.seconds if m else None))
+        cb = cm.updated({"eval.target": "base"})
+        base_eval = load("evaluate", cb)
+        if ("evaluate", dag.expected_key("evaluate", cb)) not in seen:
+            seen.add(("evaluate", dag.expected_key("evaluate", cb)))
+            timings.append((f"evaluate base seed {seed}", base_eval.seconds if base_eval else None))
+        trained = load("train", cm)
+        timings.append((f"train {label} seed {seed}", trained.seconds if trained else None))
+        if trained:
+            curves.append(training_curves(trained, method, seed, columns.get("cell")))
+        evals = [base_eval] + [load("evaluate", cm.updated({"eval.update": u}))
+                               for u in cm.train.snapshot_updates() + [None]]
+        for e in evals[1:]:
+            timings.append((f"evaluate {label} seed {seed}", e.seconds if e else None))
+        records += [{"method": method, "seed": seed, "update": e.summary["update"], "accuracy": e.summary[key]}
+                    | columns for e in evals if e]
     return pl.DataFrame(records), (pl.concat(curves) if curves else pl.DataFrame()), timings
 
 
