@@ -23,9 +23,10 @@ API (one instance per stage or loop; safe to update from several threads):
   - otherwise (or `GGPO_PROGRESS=lines`): an INFO line on the logger "ggpo" at most every
     `GGPO_PROGRESS_SECONDS` seconds (default 10) and one at the end, e.g.
     "train grpo seed 42: 12/32 updates (37%), 0.8 update/s, ETA 25s, loss=0.12 reward=0.5";
-  - in addition, inside a Prefect task or flow run: a progress artifact (key from `desc`:
-    lowercase letters, digits, dashes) updated at most every `GGPO_PROGRESS_SECONDS`
-    seconds and set to 100 at the end. A failing Prefect call never breaks the stage: it
+  - in addition, inside a Prefect task or flow run, for work that outlasts one period: a
+    progress artifact (key from `desc`: lowercase letters, digits, dashes), created at the
+    first periodic report, updated at most every `GGPO_PROGRESS_SECONDS` seconds and set
+    to 100 at the end. A failing Prefect call never breaks the stage: it
     is logged once at DEBUG level and artifacts stop for that instance.
 - Cost per `update`: a lock, an addition and a clock read; formatting, bar redraws and
   Prefect calls happen only when the period has passed (tqdm throttles its own redraws).
@@ -105,9 +106,10 @@ class Progress:
         self._next = self._t0 + self.period
         self._closed = False
         self._bar = self._open_bar() if self.mode == "bar" else None
+        # created at the first periodic report, so only work that outlasts one period gets an
+        # artifact: a flow of many short stages would otherwise flood the run (and the
+        # `deployment run --watch` output) with artifact events
         self._artifact = _Artifact(key or artifact_key(desc)) if self.mode != "off" else None
-        if self._artifact is not None and not self._artifact.dead:     # created here, in the run's thread, so it is linked to the run
-            self._artifact.update(100.0 * start / total if total else 0.0, self.line())
 
     def __enter__(self) -> Progress:
         return self
@@ -178,7 +180,7 @@ class Progress:
     def _report(self, final: bool, failed: bool = False) -> None:
         if self.mode == "lines":
             log.info(self.line(final, failed))
-        if self._artifact is not None and not self._artifact.dead:
+        if self._artifact is not None and not self._artifact.dead and (self._artifact.id or not final):
             fraction = self.n / self.total if self.total else (1.0 if final else 0.0)
             self._artifact.update(100.0 if final and not failed else 100.0 * min(1.0, fraction),
                                   self.line(final, failed))

@@ -109,9 +109,13 @@ def test_prefect_run_gets_progress_and_report_artifacts(monkeypatch):
 
     @task
     def stage():
+        monkeypatch.setenv("GGPO_PROGRESS_SECONDS", "0")        # outlasts its period: an artifact
         with Progress("Rollout seed 3", total=4, unit="prompt") as bar:
             for _ in range(4):
                 bar.update(1)
+        monkeypatch.setenv("GGPO_PROGRESS_SECONDS", "3600")     # ends within its period: none
+        with Progress("Verify seed 3", total=4, unit="response") as bar:
+            bar.update(4)
 
     @flow
     def pipeline():
@@ -129,6 +133,7 @@ def test_prefect_run_gets_progress_and_report_artifacts(monkeypatch):
             bar = latest("rollout-seed-3")
             assert bar.type == "progress" and bar.data == 100.0 and bar.task_run_id is not None
             assert "4/4 prompts" in bar.description
+            assert not client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["verify-seed-3"])))
             assert latest("ggpo-smoke-report").type == "markdown"
             evals = latest("ggpo-smoke-evaluations")
             assert evals.type == "table" and "grpo" in str(evals.data)
