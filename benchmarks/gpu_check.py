@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import platform
 import random
@@ -198,13 +197,7 @@ def transformers_section(folder: Path, g: dict, device: torch.device, threads: i
     """(b): TransformersEngine generation on the model folder."""
     from pipeline.engines import SamplingParams
     from pipeline.engines.hf import TransformersEngine
-    kwargs = {"batch_prompts": g["gen_prompts"], "threads": threads}
-    if "device" in inspect.signature(TransformersEngine.__init__).parameters:
-        kwargs["device"] = str(device)
-    elif device.type == "cuda":
-        msg = "TransformersEngine takes no device argument yet: not run on cuda (a 1.7B model on CPU is too slow)"
-        print(msg)
-        return {"skipped": msg}
+    kwargs = {"batch_prompts": g["gen_prompts"], "threads": threads, "device": str(device)}
     t0 = time.perf_counter()
     engine = TransformersEngine(str(folder), **kwargs)
     load_s = time.perf_counter() - t0
@@ -216,7 +209,7 @@ def transformers_section(folder: Path, g: dict, device: torch.device, threads: i
     sync(device)
     secs = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for grp in outs for c in grp)
-    r = {"device": kwargs.get("device", "cpu"), "prompts": len(prompts), "max_new_tokens": g["gen_tokens"],
+    r = {"device": kwargs["device"], "prompts": len(prompts), "max_new_tokens": g["gen_tokens"],
          "tokens": tokens, "load_seconds": round(load_s, 2), "seconds": round(secs, 2),
          "tokens_per_s": round(tokens / secs, 1)}
     print(json.dumps(r))

@@ -11,7 +11,9 @@ The loop never asks `torch.cuda` itself: everything device-specific lives here.
 from __future__ import annotations
 
 import contextlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -78,19 +80,14 @@ def preflight(cfg) -> None:
     ConfigError naming the setting and what to do. `cfg` is a PipelineConfig."""
     resolve_device(cfg.train.device)
     if cfg.rollout.engine == "vllm":
-        import importlib.util
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError("rollout.engine=vllm needs vLLM: pip install -e '.[gpu]' on a CUDA machine, "
-                              "or use rollout.engine=transformers")
-        resolve_device("cuda", "rollout.engine=vllm (which needs a GPU): train.device")
+        from pipeline.engines import check_vllm
+        check_vllm()
     if cfg.model.name_or_path:
         _check_model_folder(cfg)
 
 
 def _check_model_folder(cfg) -> None:
     """A local HF folder has a tokenizer, and its context holds the response budgets."""
-    import json
-    from pathlib import Path
     folder = Path(cfg.model.name_or_path)
     if not folder.exists():
         if cfg.model.name_or_path.startswith((".", "/", "~")):

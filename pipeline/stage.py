@@ -73,8 +73,11 @@ def content_key(spec: StageSpec, config: PipelineConfig) -> dict[str, str]:
     return out
 
 
-def key_for(spec: StageSpec, config: PipelineConfig, input_keys: dict[str, str]) -> str:
-    return stage_key(spec.name, spec.version, config.slice(spec.reads), input_keys, content_key(spec, config))
+def key_for(spec: StageSpec, config: PipelineConfig, input_keys: dict[str, str],
+            content: dict[str, str] | None = None) -> str:
+    """The stage's cache key; `content` (content_key's result) when the caller has it."""
+    content = content_key(spec, config) if content is None else content
+    return stage_key(spec.name, spec.version, config.slice(spec.reads), input_keys, content)
 
 
 def verify_inputs(spec: StageSpec, inputs: dict[str, Manifest]) -> None:
@@ -117,7 +120,7 @@ def _run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manife
     store = store or Store()
     input_keys = {name: m.key for name, m in sorted(inputs.items())}
     content = content_key(spec, config)
-    key = stage_key(spec.name, spec.version, config.slice(spec.reads), input_keys, content)
+    key = key_for(spec, config, input_keys, content)
     if not force:
         hit = store.load(spec.name, key)
         if hit is not None:

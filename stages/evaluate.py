@@ -13,7 +13,6 @@ template is recorded in the summary.
 """
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 
@@ -30,9 +29,7 @@ from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store
 from stages.base import model_path
 
-log = logging.getLogger("ggpo")
 AVG = "avg"   # the problem-weighted average row of the per-benchmark table
-PLAIN_TEMPLATE = tasks.PLAIN_TEMPLATE
 
 
 def eval_problems(cfg: PipelineConfig) -> list[benchmarks.BenchProblem]:
@@ -50,11 +47,11 @@ def prompt_builder(cfg: PipelineConfig, tokenizer) -> tuple[str, callable]:
         kind = "chat" if cfg.eval.benchmarks else "task"
     if kind == "chat" and getattr(tokenizer, "chat_template", None):
         def chat(problem: str) -> str:
-            messages = [{"role": "user", "content": PLAIN_TEMPLATE.format(problem=problem)}]
+            messages = [{"role": "user", "content": tasks.PLAIN_TEMPLATE.format(problem=problem)}]
             return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return f"chat template of the model, user turn: {shown(PLAIN_TEMPLATE)}", chat
+        return f"chat template of the model, user turn: {shown(tasks.PLAIN_TEMPLATE)}", chat
     if kind in ("chat", "plain"):
-        return f"plain: {shown(PLAIN_TEMPLATE)}", lambda problem: PLAIN_TEMPLATE.format(problem=problem)
+        return f"plain: {shown(tasks.PLAIN_TEMPLATE)}", lambda problem: tasks.PLAIN_TEMPLATE.format(problem=problem)
     return f"task: {shown(tasks.PROMPT_TEMPLATE)}", tasks.format_prompt
 
 

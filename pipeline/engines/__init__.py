@@ -46,9 +46,9 @@ VLLM_MISSING = ("rollout.engine=vllm needs vLLM: pip install -e '.[gpu]' on a CU
                 "or use rollout.engine=transformers")
 
 
-def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto"):
-    """Checks before any work (vLLM importable, CUDA present, enough GPUs), then the engine.
-    dtype: rollout.dtype; "auto" = bfloat16 (vLLM's usual serving precision)."""
+def check_vllm() -> None:
+    """rollout.engine=vllm needs vLLM importable and a CUDA GPU: a ConfigError otherwise
+    (called by preflight before any work, and again when the engine is made)."""
     from pipeline.config import ConfigError
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(VLLM_MISSING)
@@ -56,6 +56,14 @@ def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto"):
     if not torch.cuda.is_available():
         raise ConfigError("rollout.engine=vllm needs a CUDA GPU and torch.cuda.is_available() is False here; "
                           "use rollout.engine=transformers on this machine")
+
+
+def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto"):
+    """Checks before any work (vLLM importable, CUDA present, enough GPUs), then the engine.
+    dtype: rollout.dtype; "auto" = bfloat16 (vLLM's usual serving precision)."""
+    from pipeline.config import ConfigError
+    check_vllm()
+    import torch
     from pipeline.engines import vllm_engine as ve
     tp = getattr(rollout_cfg, "tensor_parallel_size", 1)
     gpus = ve.visible_gpus(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))

@@ -148,9 +148,9 @@ def step_anchor(model, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_i
 
 def micro_batch_loss(model, reference, pool: Pool, groups: list[int], tc: TrainConfig,
                      temperature: float, pad_id: int, t_tot: int, n_seq: int,
-                     lp_old: dict[int, list[list[float]]] | None = None, rt: Runtime | None = None):
+                     lp_old: dict[int, list[list[float]]] | None, rt: Runtime):
     """Loss of some whole groups (already / T_tot), its metrics and entropy sum."""
-    m, rt = pool.group_size, rt or make_runtime(tc)
+    m = pool.group_size
     batch = _batch(pool, groups, pad_id)
     lp, entropy = policy_logprobs(model, batch, rt, temperature, with_entropy=True)
     with torch.no_grad():
