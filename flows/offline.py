@@ -22,10 +22,9 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
-from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.runtime import flow_run
 
-from pipeline import dag, grading, grid, progress, report, tracking
+from pipeline import dag, grading, grid, placement, progress, report, tracking
 from pipeline.config import PipelineConfig, load_config
 from pipeline.grid import Cell
 from pipeline.runtime import preflight
@@ -36,8 +35,10 @@ from pipeline.store import Manifest, Store
 @task(task_run_name="{run_name}", cache_policy=NO_CACHE, retries=0)
 def run_stage_task(stage: str, cfg: PipelineConfig, inputs: dict[str, Manifest], run_name: str,
                    force: bool = False, parent_run_id: str | None = None) -> Manifest:
+    store = Store()
+    inputs = {n: store.resolve(m) for n, m in inputs.items()}     # made on another machine (Ray)?
     with build_slot():      # at most experiment.parallel builds at once
-        result = dag.run(stage, cfg, inputs, Store(), force)
+        result = dag.run(stage, cfg, inputs, store, force)
     get_run_logger().info("%s %s in %.1fs: %s", run_name, "cache hit" if result.cache_hit else "built",
                           result.seconds, {k: v for k, v in result.summary.items() if not isinstance(v, str)})
     tracking.log_stage(result, run_name, parent_run_id)
@@ -61,7 +62,8 @@ class Runner:
         return self.submitted[key]
 
     def submit(self, stage: str, cfg: PipelineConfig, inputs: dict, name: str) -> PrefectFuture:
-        return run_stage_task.submit(stage, cfg, inputs, name, stage in self.force, self.parent)
+        # threads, or a Ray worker with the stage's GPUs/CPUs (experiment.task_runner)
+        return placement.submit(run_stage_task, stage, cfg, stage, cfg, inputs, name, stage in self.force, self.parent)
 
 
 def stage_reads(stage: str, cfg: PipelineConfig) -> set[str]:
@@ -174,7 +176,7 @@ def publish_report(result: dict, records: list[dict], preset: str) -> None:
         get_run_logger().warning("report not published as Prefect artifacts: %s: %s", type(e).__name__, e)
 
 
-@flow(name="ggpo", log_prints=True, task_runner=ThreadPoolTaskRunner(max_workers=64))
+@flow(name="ggpo", log_prints=True, task_runner=placement.ConfiguredTaskRunner())   # placement.use picks
 def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: list[str] | None = None,
          methods: list[str] | None = None, seeds: list[int] | None = None) -> dict[str, Any]:
     """Base model, then per seed: pool, every method, evaluations; then the report.
@@ -192,7 +194,9 @@ def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: l
         raise ValueError(f"force: unknown stages {sorted(unknown)}; known: {', '.join(dag.STAGE_NAMES)}")
     for c in [cfg] + [cell.config for cell in cells]:
         preflight(c)    # device, engine, model folder, budgets (per cell): fail before any work
-    grading.start_pool(cfg.verify.workers)   # one grading pool for every verify and evaluate, warm by then
+    placement.use(cfg)      # threads or Ray (experiment.task_runner): connected before any work
+    if cfg.experiment.task_runner == "threads":    # Ray workers start their own, lazily
+        grading.start_pool(cfg.verify.workers)   # one grading pool for every verify and evaluate, warm by then
     tags = {"ggpo.preset": preset, "prefect.flow_run_id": str(flow_run.get_id() or "")}
     with tracking.parent_run(f"offline-{preset}", cfg.model_dump(mode="json"), tags) as (client, parent):
         set_parallel_builds(cfg.experiment.parallel)

@@ -2,6 +2,7 @@
 
   ggpo up | down | status                 background Prefect + MLflow servers and the deployment
   ggpo run offline [--preset P] [--set k=v ...] [--force STAGE ...]   the flow, in-process
+  ggpo run online [--preset P] ...        the online loop (Algorithm 1; default preset tiny-online)
   ggpo stage NAME [--preset P] [--set k=v ...] [--force]  one stage from cached inputs
   ggpo cache ls                           artifacts: stage, key, rows, size, created
   ggpo cache verify                       re-hash every artifact against its manifest
@@ -23,8 +24,9 @@ from pipeline.config import PRESET_DIR, ConfigError, load_config, parse_override
 from pipeline.store import DamagedArtifact, Store, gc_plan, verify_all
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", help=f"one of: {', '.join(preset_names())}")
+def _config_args(p: argparse.ArgumentParser, default: str | None = "tiny") -> None:
+    p.add_argument("--preset", default=default, help=f"one of: {', '.join(preset_names())}"
+                   + ("" if default else " (default: tiny for offline, tiny-online for online)"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set train.lr=1e-5 (repeatable)")
 
@@ -39,8 +41,8 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("down", help="stop them")
     sub.add_parser("status", help="are they up and healthy")
     run = sub.add_parser("run", help="run a flow in this process")
-    run.add_argument("flow", choices=["offline"])
-    _config_args(run)
+    run.add_argument("flow", choices=["offline", "online"])
+    _config_args(run, default=None)
     run.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="stages to recompute")
     st = sub.add_parser("stage", help="run one stage from the cached artifacts of its inputs")
     st.add_argument("name", choices=dag.STAGE_NAMES)
@@ -70,7 +72,7 @@ def cmd_up(args) -> int:
     print(f"  Prefect UI: {state['urls']['prefect_ui']}\n  MLflow UI:  {state['urls']['mlflow']}")
     from pipeline import tracking
     print(f"  MLflow runs and charts: {tracking.experiment_link(state['urls']['mlflow'])}")
-    print("  deployment: ggpo/offline  (prefect deployment run ggpo/offline --watch)")
+    print("  deployments: ggpo/offline, ggpo/online  (prefect deployment run ggpo/offline --watch)")
     return 0
 
 
@@ -85,10 +87,17 @@ def cmd_status(args) -> int:
     return 0 if all(s["healthy"] for s in state["services"].values()) else 1
 
 
+DEFAULT_PRESET = {"offline": "tiny", "online": "tiny-online"}
+
+
 def cmd_run(args) -> int:
     ensure_prefect_api()
-    from flows.offline import ggpo
     from pipeline import stage
+    if args.flow == "online":
+        from flows.online import ggpo_online as ggpo
+    else:
+        from flows.offline import ggpo
+    args.preset = args.preset or DEFAULT_PRESET[args.flow]
     if not args.debug:
         for name in ("prefect.task_runs", "prefect.flow_runs"):
             logging.getLogger(name).addFilter(drop_expected_tracebacks)
@@ -97,7 +106,8 @@ def cmd_run(args) -> int:
         result = ggpo(preset=args.preset, overrides=_overrides(args), force=args.force)
     except Exception as exc:
         # the flow fails on "upstream task did not complete": name the stage failure behind it
-        cause = next((e for _, e in stage.failures() if expected_error(e) is not None), None)
+        from pipeline import placement      # stage failures on Ray workers (experiment.task_runner=ray)
+        cause = next((e for _, e in stage.failures() + placement.failures() if expected_error(e) is not None), None)
         if cause is None or expected_error(exc) is not None:
             raise
         raise cause from exc
@@ -158,6 +168,8 @@ def cmd_stage(args) -> int:
     manifest = dag.run(args.name, cfg, inputs, store, args.force)
     word = "cache hit" if manifest.cache_hit else f"built in {manifest.seconds:.1f}s"
     print(f"{args.name}: {word}\n  key    {manifest.key}\n  folder {manifest.folder}")
+    if store.url:
+        print(f"  store  {store.address(manifest)}")
     for name, entry in manifest.files.items():
         print(f"  {name:12s} {entry.path} rows={entry.rows} sha256={entry.sha256[:16]}")
     print("  summary " + json.dumps(manifest.summary))
@@ -179,7 +191,7 @@ def cmd_cache(args) -> int:
         rows = sum(e.rows or 0 for e in m.files.values())
         size = sum(e.bytes for e in m.files.values())
         print(f"{m.stage:9s} {m.key[:16]} {rows:8d} {size / 1024:9.1f}K  {m.created_at}")
-    print(f"root: {store.root}")
+    print(f"root: {store.location}")
     return 0
 
 
@@ -189,8 +201,9 @@ def cache_verify(store: Store) -> int:
     artifacts, files, size, problems = verify_all(store)
     for problem in problems:
         print(problem)
-    print(f"{artifacts} artifacts, {files} files, {size / 2**20:.1f} MiB re-hashed in "
-          f"{time.perf_counter() - start:.2f}s under {store.root}: "
+    how = "checked for presence and size (hashed when staged)" if store.url else "re-hashed"
+    print(f"{artifacts} artifacts, {files} files, {size / 2**20:.1f} MiB {how} in "
+          f"{time.perf_counter() - start:.2f}s under {store.location}: "
           + (f"{len(problems)} damaged (`ggpo stage NAME --force` or the flow rebuilds them)" if problems else "all intact"))
     return 2 if problems else 0
 
@@ -211,11 +224,12 @@ def cache_gc(store: Store, args) -> int:
 
 
 def preset_experiment_keys() -> set[tuple[str, str]]:
-    """(stage, key) of everything the offline flow builds for each preset as shipped."""
+    """(stage, key) of everything the offline and online flows build for each preset as shipped."""
     keys = set()
     for name in preset_names():
         try:
-            keys |= dag.experiment_keys(load_config(name))
+            cfg = load_config(name)
+            keys |= dag.experiment_keys(cfg) | dag.online_experiment_keys(cfg)
         except Exception as exc:    # e.g. a preset whose benchmark files are not here
             raise ConfigError(f"cache gc --unreferenced: the keys of preset '{name}' cannot be computed "
                               f"({str(exc).splitlines()[0]}), so it would not know what to keep; "

@@ -120,6 +120,12 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(10, ge=1)
     diagnostics_block: int = Field(8, ge=1)     # updates per sequence-ESS block (spec 9)
     eval_every: int | None = None               # also snapshot the policy every this many updates
+    # data-parallel training (stages/train/distributed.py): nproc ranks per node under torchrun,
+    # FSDP2-sharded; nnodes > 1 needs rdzv_endpoint ("host:port" of node 0, the same on every
+    # node). Placement, not content: never in a cache key (KEY_EXCLUDE)
+    nproc: int = Field(1, ge=1)
+    nnodes: int = Field(1, ge=1)
+    rdzv_endpoint: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -166,6 +172,13 @@ class ExperimentConfig(Section):
     grid: dict[str, list[Any]] = {}
     # named method entries: {"ggpo_clip": {"train.method": "ggpo", "train.ggpo_clip_delta": 0.05}}
     variants: dict[str, dict[str, Any]] = {}
+    # where stage tasks run (pipeline/placement.py): threads of the flow process, or Ray
+    # workers, each task asking for its GPUs/CPUs. Results do not depend on it
+    task_runner: Literal["threads", "ray"] = "threads"
+    # Ray cluster: "host:port" (the head's GCS port), "ray://host:10001" (Ray Client),
+    # "auto" (the cluster `ray start` runs on this machine) or "local" (a private Ray
+    # instance for this flow run). None: $RAY_ADDRESS, else "local"
+    ray_address: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":
@@ -187,11 +200,31 @@ class ExperimentConfig(Section):
 
 
 METHODS = get_args(TrainConfig.model_fields["method"].annotation)
-FLOW_FIELDS = ("train.method", "eval.target", "eval.update")   # what each flow stage sets itself
+# what each flow stage sets itself
+FLOW_FIELDS = ("train.method", "eval.target", "eval.update", "online.round")
+
+
+class OnlineConfig(Section):
+    """The online loop (spec 8.1-8.3, flows/online.py): each round syncs the sampler to the
+    learner, draws prompt batches from the seeded loader until N * G_mb mixed-reward groups
+    exist, then takes N = train.updates_per_step updates on them."""
+    # which round `ggpo stage online_pool|online_train` builds (0-based); the flow sets it.
+    # Never in a key: a round's place in the chain is its inputs' keys
+    round: int = Field(0, ge=0)
+    # prompts per draw; None = N * G_mb (spec 8.2 [choice])
+    draw_prompts: int | None = Field(None, ge=1)
+    # draws per round before the round fails: a prompt set that cannot fill a round (all
+    # solved, none solved) stops with the counts, never loops forever. Not in a key
+    max_draws: int = Field(16, ge=1)
+
+    def per_draw(self, tc: "TrainConfig") -> int:
+        return self.draw_prompts or tc.updates_per_step * tc.groups_per_update
 
 
 class EvalConfig(Section):
-    target: Literal["train", "base"] = "train"   # which model `ggpo stage evaluate` scores
+    # which model `ggpo stage evaluate` scores: the offline run, pi_0, or the online run
+    # after round online.round
+    target: Literal["train", "base", "online_train"] = "train"
     update: int | None = None                    # a training snapshot (train.eval_every); None = final
     # empty: the task's own eval split; else benchmark names read from data_dir
     # (math500, aime24, aime25, olympiadbench, minerva_math, math_train)
@@ -230,6 +263,7 @@ class PipelineConfig(Section):
     filter: FilterConfig = FilterConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    online: OnlineConfig = OnlineConfig()
     experiment: ExperimentConfig = ExperimentConfig()
 
     def updated(self, overrides: dict[str, Any]) -> "PipelineConfig":
@@ -243,6 +277,9 @@ class PipelineConfig(Section):
         """The config fields a stage reads ("train" or "task.name"), as JSON-able data:
         its cache-key part."""
         dumped = self.model_dump(mode="json")
+        for dotted in KEY_EXCLUDE:
+            section, leaf = dotted.split(".")
+            dumped[section].pop(leaf, None)
         out: dict[str, Any] = {}
         for dotted in fields:
             src, dst, *_ = dumped, out
@@ -255,6 +292,12 @@ class PipelineConfig(Section):
 
 class ConfigError(ValueError):
     pass
+
+
+# Placement, not content: fields that say where a stage runs, not what it computes (nproc=2
+# gives nproc=1's result up to float reduction order). Never in a key or a manifest's config,
+# so existing keys stay and a run can resume under another placement.
+KEY_EXCLUDE = ("train.nproc", "train.nnodes", "train.rdzv_endpoint")
 
 
 def preset_names() -> list[str]:

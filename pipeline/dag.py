@@ -14,7 +14,8 @@ from pipeline.config import PipelineConfig
 from pipeline.stage import StageSpec, key_for, run_stage
 from pipeline.store import DamagedArtifact, Manifest, Store
 
-STAGE_NAMES = ("base", "rollout", "verify", "filter", "train", "evaluate")
+STAGE_NAMES = ("base", "rollout", "verify", "filter", "train", "evaluate", "online_pool", "online_train")
+ONLINE = ("online_pool", "online_train")
 
 
 class MissingInput(RuntimeError):
@@ -34,18 +35,55 @@ def run(stage: str, config: PipelineConfig, inputs: dict[str, Manifest], store: 
 
 def upstream(stage: str, config: PipelineConfig) -> dict[str, str]:
     """Input name -> producing stage."""
-    return {
+    return {name: src for name, (src, _) in sources(stage, config).items()}
+
+
+def sources(stage: str, config: PipelineConfig) -> dict[str, tuple[str, PipelineConfig]]:
+    """Input name -> (producing stage, the config it was produced under). The online loop
+    chains rounds: round r's pool samples with round r-1's policy (`policy`), and its
+    training continues round r-1's state (`state`); round 0 starts from `base`."""
+    r = config.online.round
+    prev = config.updated({"online.round": r - 1}) if stage in ONLINE and r > 0 else None
+    if stage == "online_pool":
+        return {"policy": ("online_train", prev) if prev else ("base", config)}
+    if stage == "online_train":
+        return {"base": ("base", config), "pool": ("online_pool", config)} | (
+            {"state": ("online_train", prev)} if prev else {})
+    return {name: (src, config) for name, src in {
         "base": {},
         "rollout": {"base": "base"},
         "verify": {"rollout": "rollout"},
         "filter": {"rollout": "rollout", "verify": "verify"},
         "train": {"base": "base", "pool": "filter"},
         "evaluate": {"model": config.eval.target},
-    }[stage]
+    }[stage].items()}
+
+
+# (config without online.round) -> [{stage: key} per round]: the chain is walked once
+_chains: dict[str, list[dict[str, str]]] = {}
+
+
+def online_keys(config: PipelineConfig, round_: int) -> dict[str, str]:
+    """{online_pool: key, online_train: key} of round `round_`, walking the chain from round 0
+    iteratively (a 1,000-round run must not recurse 2,000 deep). Keys do not depend on
+    online.round itself, only on the inputs' keys."""
+    cfg = config.updated({"online.round": 0})
+    chain = _chains.setdefault(cfg.model_dump_json(), [])
+    pool_spec, train_spec = spec("online_pool"), spec("online_train")
+    base = expected_key("base", cfg)
+    while len(chain) <= round_:
+        prev = chain[-1]["online_train"] if chain else None
+        pool = key_for(pool_spec, cfg, {"policy": prev or base})
+        train = key_for(train_spec, cfg, dict(sorted(({"base": base, "pool": pool} | (
+            {"state": prev} if prev else {})).items())))
+        chain.append({"online_pool": pool, "online_train": train})
+    return chain[round_]
 
 
 def expected_key(stage: str, config: PipelineConfig) -> str:
-    inputs = {name: expected_key(src, config) for name, src in upstream(stage, config).items()}
+    if stage in ONLINE:
+        return online_keys(config, config.online.round)[stage]
+    inputs = {name: expected_key(src, cfg) for name, (src, cfg) in sources(stage, config).items()}
     return key_for(spec(stage), config, dict(sorted(inputs.items())))
 
 
@@ -56,19 +94,21 @@ def cached_inputs(stage: str, config: PipelineConfig, store: Store,
     DamagedArtifact."""
     expected_key(stage, config)     # reads the stage's outside files: a missing benchmark is named first
     found, missing = {}, []
-    for name, src in upstream(stage, config).items():
-        manifest, problems = store.inspect(src, expected_key(src, config))
+    for name, (src, cfg) in sources(stage, config).items():
+        manifest, problems = store.inspect(src, expected_key(src, cfg))
         if problems:
-            manifest = rebuild(name, src, problems, config, store, preset, rebuild_damaged)
+            manifest = rebuild(name, src, problems, cfg, store, preset, rebuild_damaged)
         if manifest is None:
+            where = f" --set online.round={cfg.online.round}" if src in ONLINE else ""
             missing.append(f"  input '{name}' from stage '{src}': build it with "
-                           f"`ggpo stage {src} --preset {preset}` (and the same --set options)")
+                           f"`ggpo stage {src} --preset {preset}{where}` (and the same --set options)")
         else:
             found[name] = manifest
     if missing:
         raise MissingInput(
-            f"stage '{stage}' needs inputs that are not in the cache ({store.root}) for this config:\n"
-            + "\n".join(missing) + f"\nor build everything with `ggpo run offline --preset {preset}`")
+            f"stage '{stage}' needs inputs that are not in the cache ({store.location}) for this config:\n"
+            + "\n".join(missing) + f"\nor build everything with `ggpo run {'online' if stage in ONLINE else 'offline'} "
+            f"--preset {preset}`")
     return found
 
 
@@ -98,4 +138,22 @@ def experiment_keys(config: PipelineConfig) -> set[tuple[str, str]]:
         keys.add(("evaluate", expected_key("evaluate", c.updated({"eval.target": "base"}))))
         keys |= {("evaluate", expected_key("evaluate", c.updated({"eval.update": u})))
                  for u in c.train.snapshot_updates() + [None]}
+    return keys
+
+
+def online_experiment_keys(config: PipelineConfig) -> set[tuple[str, str]]:
+    """(stage, key) of every artifact the online flow (flows/online.py) builds for `config`:
+    the base model and its evaluation; per cell every round's pool and training, and the
+    evaluations at stages.online_train.eval_points."""
+    from pipeline.grid import cells
+    from stages.online_train import eval_points
+    keys = {("base", expected_key("base", config))}
+    for cell in cells(config):
+        c, tc = cell.config, cell.config.train
+        keys.add(("evaluate", expected_key("evaluate", c.updated({"eval.target": "base"}))))
+        for r in range(tc.updates // tc.updates_per_step):
+            keys |= set(online_keys(c, r).items())
+        for r, update, _ in eval_points(tc):
+            ce = c.updated({"eval.target": "online_train", "online.round": r, "eval.update": update})
+            keys.add(("evaluate", expected_key("evaluate", ce)))
     return keys

@@ -26,5 +26,16 @@ def load_tokenizer(path: str):
 
 
 def load_model(path: str, dtype=torch.float32):
+    """The model's weights in `dtype` (buffers such as RoPE frequencies stay fp32).
+
+    Always loaded in fp32, then cast: from_pretrained(dtype=bf16) switches torch's
+    process-global default dtype while it builds, and a training step running in another
+    thread then creates bf16 tensors (measured: the online flow's bf16 sampler made a
+    concurrent cell's weights differ from a sequential run's). The lock cannot cover that:
+    training never takes it. The cast gives the same weights and logits as loading in bf16."""
     with _LOAD_LOCK:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if dtype != torch.float32:
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    return model

@@ -78,12 +78,34 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer
 def preflight(cfg) -> None:
     """Bad settings that would fail hours into a run, caught before any work, each as one
     ConfigError naming the setting and what to do. `cfg` is a PipelineConfig."""
-    resolve_device(cfg.train.device)
+    from pipeline.store import check_store
+    check_store()       # the artifact store opens (URL, credentials, endpoint)
+    device = resolve_device(cfg.train.device)
+    _check_placement(cfg.train, device)
+    if cfg.experiment.task_runner == "ray":     # (placement imports prefect: only when asked)
+        from pipeline import placement
+        placement.check(cfg)    # ray installed, the address answers
     if cfg.rollout.engine == "vllm":
         from pipeline.engines import check_vllm
         check_vllm()
     if cfg.model.name_or_path:
         _check_model_folder(cfg)
+
+
+def _check_placement(tc: TrainConfig, device: torch.device) -> None:
+    """train.nproc ranks fit this node (one GPU each on CUDA; gloo ranks are processes, up
+    to 4 per core); several nodes need the rendezvous endpoint."""
+    import os
+    if device.type == "cuda" and tc.nproc > torch.cuda.device_count():
+        raise ConfigError(f"train.nproc={tc.nproc} but {torch.cuda.device_count()} GPU(s) are visible "
+                          "(one rank per GPU): lower train.nproc or check CUDA_VISIBLE_DEVICES")
+    cap = 4 * (os.cpu_count() or 1)
+    if device.type == "cpu" and tc.nproc > cap:
+        raise ConfigError(f"train.nproc={tc.nproc} CPU ranks on {os.cpu_count()} cores (at most {cap}): "
+                          "lower train.nproc")
+    if tc.nnodes > 1 and not tc.rdzv_endpoint:
+        raise ConfigError(f"train.nnodes={tc.nnodes} needs train.rdzv_endpoint=HOST:PORT (node 0's address, "
+                          "the same on every node)")
 
 
 def _check_model_folder(cfg) -> None:

@@ -50,6 +50,14 @@ TRAIN_METRICS = pa.schema([
     ("ess", pa.float64()), ("ref_refreshed", pa.bool_()),
 ])
 
+# the online loop's rows (stage online_train): the offline columns, the largest |log rho|
+# (behavior vs learner) of the update, its round, its staleness j (the j-th update of a
+# step is j updates stale) and what was generated up to its round (paper Figure 2)
+ONLINE_METRICS = pa.schema(list(TRAIN_METRICS) + [
+    ("max_abs_log_ratio", pa.float64()), ("round", pa.int32()), ("staleness", pa.int32()),
+    ("prompts_drawn", pa.int64()), ("responses_generated", pa.int64()),
+])
+
 EVAL_SAMPLES = pa.schema([
     ("benchmark", pa.string()), ("prompt_id", pa.string()), ("sample", pa.int32()), ("reward", pa.float64()),
     ("status", pa.string()), ("response_length", pa.int32()), ("response_text", pa.string()),

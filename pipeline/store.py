@@ -15,6 +15,19 @@ first look. `load` treats a damaged artifact like an interrupted build (None, wi
 warning), so `run_stage` rebuilds it; `inspect` says what is wrong. Each problem is one
 line naming the artifact folder, the file and what is wrong. `verify_all` re-hashes
 everything (`ggpo cache verify`); `gc_plan` says what `ggpo cache gc` may remove.
+
+Location. A manifest names its files relative to the store root: `manifest.json` holds
+`folder` = `<stage>-<key16>` (older ones an absolute path, ignored), and the store that
+loads a manifest sets `folder` to where the files are on this machine. A cache copied or
+mounted elsewhere therefore reads only its own files.
+
+Shared store. `GGPO_CACHE` may be an fsspec URL (`s3://bucket/prefix`, `gs://…`,
+`file:///shared/cache`; options in `GGPO_CACHE_OPTIONS`, see `pipeline/remote_store.py`).
+Stages still build into and read from a local folder, the mirror (`Store.root`, under
+`$GGPO_STAGING` or `$GGPO_HOME/staging`): `commit` uploads the build's files, then the
+manifest last; `load` reads the remote manifest (none: not built, never read), downloads
+the artifact into the mirror once, and checks it like a local one. A plain path is used in
+place, as before. `check_store` opens the store before any work (one line if it cannot).
 """
 from __future__ import annotations
 
@@ -25,10 +38,13 @@ import os
 import shutil
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from pydantic import BaseModel
+
+from pipeline.remote_store import Remote, StoreError, check_remote, is_url, mirror_root
 
 CACHE_ENV = "GGPO_CACHE"
 MANIFEST = "manifest.json"
@@ -188,34 +204,123 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_rename(tmp, path)
 
 
-def default_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV, "data/cache")).resolve()
+def default_root() -> Path | str:
+    """`$GGPO_CACHE` (default ./data/cache) as an absolute Path, or the URL as given."""
+    root = os.environ.get(CACHE_ENV, "data/cache")
+    return root.rstrip("/") if is_url(root) else Path(root).resolve()
+
+
+def check_store(root: str | Path | None = None) -> None:
+    """Raise StoreError (one line) when the store cannot be used: a URL whose protocol is
+    unknown or whose package is not installed, missing credentials, an endpoint that does
+    not answer, a missing bucket, no write permission; a local root that cannot be created
+    or written. Writes and removes one small probe object. Call before any work."""
+    root = default_root() if root is None else root
+    if is_url(str(root)):
+        check_remote(str(root).rstrip("/"))
+        return
+    path = Path(root).resolve()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"GGPO_CACHE={path}: cannot create the cache folder ({exc.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StoreError(f"GGPO_CACHE={path}: the cache folder is not writable; fix its permissions or "
+                         f"point GGPO_CACHE elsewhere")
+
+
+def parse_manifest(text: str, name: str, stage: str, key: str) -> tuple[Manifest | None, str | None]:
+    """(manifest, None) or (None, one line saying why `name`'s manifest cannot be used)."""
+    try:
+        manifest = Manifest.model_validate_json(text)
+    except ValueError as exc:
+        first = str(exc).splitlines()[0]
+        return None, f"artifact {name} (stage {stage}): {MANIFEST} is unreadable ({first})"
+    if manifest.key != key:
+        return None, (f"artifact {name} (stage {stage}): {MANIFEST} holds key "
+                      f"{manifest.key[:16]}, not the folder's {key[:16]}")
+    return manifest, None
+
+
+@contextmanager
+def mirror_lock(root: Path, name: str) -> Iterator[None]:
+    """An exclusive lock on one mirrored artifact (flock: between threads and processes)."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "a") as f:
+        try:
+            import fcntl
+        except ImportError:     # not POSIX: no cross-process lock
+            yield
+            return
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 class Store:
+    """root: the local folder artifacts are built in and read from. url: the remote root
+    when GGPO_CACHE (or `root`) is a URL, else None."""
+
     def __init__(self, root: str | Path | None = None):
-        self.root = Path(root).resolve() if root else default_root()
+        root = default_root() if root is None or root == "" else root
+        if isinstance(root, str) and is_url(root):
+            self.url: str | None = root.rstrip("/")
+            self.remote: Remote | None = Remote(self.url)
+            self.root = mirror_root(self.url)
+        else:
+            self.url, self.remote = None, None
+            self.root = Path(root).resolve()
+
+    @property
+    def location(self) -> str:
+        """Where the store is, for messages: the URL or the local root."""
+        return self.url or str(self.root)
 
     def folder(self, stage: str, key: str) -> Path:
         return self.root / f"{stage}-{key[:16]}"
 
+    def address(self, manifest: Manifest) -> str:
+        """Where an artifact lives in the store: the remote folder's URL or the local folder."""
+        return f"{self.url}/{Path(manifest.folder).name}" if self.url else manifest.folder
+
     def inspect(self, stage: str, key: str, hashes: bool = True) -> tuple[Manifest | None, list[str]]:
         """(manifest, problems): (None, []) when not built or interrupted; (None, [..])
         when manifest.json itself is unreadable; (manifest, [..]) when files are damaged."""
+        if self.remote is not None:
+            return self._inspect_remote(stage, key, hashes)
         path = self.folder(stage, key) / MANIFEST
         if not path.exists():
             return None, []
-        try:
-            manifest = Manifest.model_validate_json(path.read_text())
-        except ValueError as exc:
-            first = str(exc).splitlines()[0]
-            return None, [f"artifact {path.parent.name} (stage {stage}): {MANIFEST} is unreadable ({first})"]
-        if manifest.key != key:
-            return None, [f"artifact {path.parent.name} (stage {stage}): {MANIFEST} holds key "
-                          f"{manifest.key[:16]}, not the folder's {key[:16]}"]
-        if manifest.folder != str(path.parent):     # the cache was moved: its files are here now
+        manifest, problem = parse_manifest(path.read_text(), path.parent.name, stage, key)
+        if problem:
+            return None, [problem]
+        if manifest.folder != str(path.parent):     # relative in the file (or the cache moved): its files are here
             manifest = manifest.model_copy(update={"folder": str(path.parent)})
         return manifest, check(manifest, hashes)
+
+    def _inspect_remote(self, stage: str, key: str, hashes: bool) -> tuple[Manifest | None, list[str]]:
+        """The remote manifest decides; the artifact is downloaded into the local mirror
+        (once: a mirror whose manifest equals the remote one is current) and checked there."""
+        local = self.folder(stage, key)
+        text = self.remote.read_manifest(local.name)
+        if text is None:
+            return None, []
+        manifest, problem = parse_manifest(text, local.name, stage, key)
+        if problem:
+            return None, [f"{problem} at {self.url}"]
+        manifest = manifest.model_copy(update={"folder": str(local)})
+        mirrored = local / MANIFEST
+        with mirror_lock(self.root, local.name):    # threads and processes sharing this mirror fetch once
+            if mirrored.exists() and mirrored.read_text() == text and not check(manifest, hashes):
+                return manifest, []
+            # first use on this machine, a rebuilt remote artifact, or a damaged mirror
+            self.remote.fetch(local.name, local)
+            problems = [f"{p} at {self.url}" for p in check(manifest, hashes)]
+            if not problems:
+                write_text_atomic(mirrored, text)   # last: the mirror is complete
+        return manifest, problems
 
     def load(self, stage: str, key: str) -> Manifest | None:
         """The manifest if the artifact is complete and intact, else None: an interrupted
@@ -225,6 +330,22 @@ class Store:
             log.warning("%s; it will be rebuilt", problem)
         return None if problems else manifest
 
+    def resolve(self, manifest: Manifest) -> Manifest:
+        """`manifest` (e.g. made on another machine) with `folder` where its files are on
+        this one: the local root's folder, or the remote artifact mirrored here (downloaded
+        and checked). Raises DamagedArtifact (one line) when the store does not hold it intact."""
+        folder = self.folder(manifest.stage, manifest.key)
+        if self.remote is None:
+            return manifest if manifest.folder == str(folder) else manifest.model_copy(update={"folder": str(folder)})
+        if manifest.folder == str(folder) and (folder / MANIFEST).exists():
+            return manifest     # built or mirrored here already
+        found, problems = self.inspect(manifest.stage, manifest.key)
+        if found is None or problems:
+            why = problems[0] if problems else "it has no manifest there"
+            raise DamagedArtifact(f"artifact {folder.name} (stage {manifest.stage}) cannot be read from "
+                                  f"{self.url}: {why}")
+        return found.model_copy(update={"cache_hit": manifest.cache_hit})
+
     def check(self, manifest: Manifest, hashes: bool = True) -> list[str]:
         return check(manifest, hashes)
 
@@ -232,6 +353,8 @@ class Store:
         """A clean work folder for a build; an old manifest (forced rerun) and any
         leftovers of an interrupted build go, except the names in `keep`."""
         folder = self.folder(stage, key)
+        if self.remote is not None:     # no reader may pair the old manifest with new files
+            self.remote.clear(folder.name)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / MANIFEST).unlink(missing_ok=True)
         for child in folder.iterdir():
@@ -241,18 +364,32 @@ class Store:
         return folder
 
     def commit(self, manifest: Manifest) -> Manifest:
-        write_text_atomic(Path(manifest.folder) / MANIFEST, manifest.model_dump_json(indent=2))
+        """Publish a finished build: (remote: upload its files, then) the manifest, last.
+        The file holds the folder relative to the root; the returned manifest the local one."""
+        folder = Path(manifest.folder)
+        text = manifest.model_copy(update={"folder": folder.name}).model_dump_json(indent=2)
+        if self.remote is not None:
+            self.remote.upload(folder, folder.name)
+            self.remote.write_manifest(folder.name, text)
+        write_text_atomic(folder / MANIFEST, text)
         return manifest
 
     def entries(self) -> list[Manifest]:
+        """Every complete artifact (remote: listed there, nothing downloaded), oldest first;
+        `folder` is where its files are (or would be mirrored) on this machine."""
+        if self.remote is not None:
+            texts = self.remote.manifests()
+        elif self.root.exists():
+            texts = [(p.parent.name, p.read_text()) for p in sorted(self.root.glob(f"*/{MANIFEST}"))]
+        else:
+            texts = []
         found = []
-        if not self.root.exists():
-            return found
-        for path in sorted(self.root.glob(f"*/{MANIFEST}")):
+        for name, text in texts:
             try:
-                found.append(Manifest.model_validate_json(path.read_text()))
+                manifest = Manifest.model_validate_json(text)
             except ValueError:
                 continue  # foreign or damaged folder: listing must not crash
+            found.append(manifest.model_copy(update={"folder": str(self.root / name)}))
         return sorted(found, key=lambda m: m.created_at)
 
 
@@ -284,7 +421,10 @@ def read_manifest(folder: Path) -> tuple[Manifest | None, str | None]:
 
 def verify_all(store: Store) -> tuple[int, int, int, list[str]]:
     """Re-hash every file of every complete artifact against its manifest (no remembered
-    hashes): (artifacts, files, bytes, one line per problem)."""
+    hashes): (artifacts, files, bytes, one line per problem). A remote store: presence and
+    size of every file there, without downloading (hashes are checked when staged)."""
+    if store.remote is not None:
+        return _verify_remote(store)
     artifacts = files = size = 0
     problems = []
     for folder, stage in artifact_folders(store.root):
@@ -300,6 +440,29 @@ def verify_all(store: Store) -> tuple[int, int, int, list[str]]:
     return artifacts, files, size, problems
 
 
+def _verify_remote(store: Store) -> tuple[int, int, int, list[str]]:
+    artifacts = files = size = 0
+    problems = []
+    for name, text in store.remote.manifests():
+        stage = name.rpartition("-")[0]
+        try:
+            manifest = Manifest.model_validate_json(text)
+        except ValueError as exc:
+            problems.append(f"artifact {name} (stage {stage}): {MANIFEST} is unreadable "
+                            f"({str(exc).splitlines()[0]}) at {store.url}")
+            continue
+        there = store.remote.files(name)
+        artifacts, files = artifacts + 1, files + len(manifest.files)
+        size += sum(e.bytes for e in manifest.files.values())
+        for entry in manifest.files.values():
+            got = there.get(entry.path)
+            why = ("is missing" if got is None else None if got == entry.bytes else
+                   f"is {got} bytes, the manifest says {entry.bytes} (truncated or rewritten)")
+            if why:
+                problems.append(f"artifact {name} (stage {manifest.stage}): {entry.path} {why} at {store.url}")
+    return artifacts, files, size, problems
+
+
 def gc_plan(store: Store, versions: dict[str, int], protected: set[tuple[str, str]] | None = None,
             all_interrupted: bool = False) -> list[tuple[Path, str, int]]:
     """(folder, why, bytes) of what `ggpo cache gc` removes. The rule is conservative:
@@ -312,6 +475,10 @@ def gc_plan(store: Store, versions: dict[str, int], protected: set[tuple[str, st
       cached manifest names as an input and that is not in `protected` (the presets'
       experiments). This drops results of runs with other configs (--set), so it is opt-in.
     """
+    if store.remote is not None:
+        raise StoreError(f"GGPO_CACHE={store.url}: `ggpo cache gc` is not supported for remote stores yet; "
+                         f"remove folders with the storage's own tools (its local mirror {store.root} "
+                         f"may be deleted at any time)")
     plan, complete = [], {}
     for folder, stage in artifact_folders(store.root):
         manifest, error = read_manifest(folder)

@@ -192,3 +192,19 @@ def log_pool_dataset(c, run_id: str, manifest: Manifest) -> None:
     ds = mlflow.data.from_polars(df, source=source, name=f"train_pool-{manifest.key[:16]}")
     c.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
                                                 tags=[InputTag("mlflow.data.context", "training")])])
+
+
+def log_round(trained: Manifest, pool: Manifest, run_id: str) -> None:
+    """One online round into its cell's run, in one call: the round's per-update metrics
+    (`train/...`, cumulative prompts drawn and responses generated included) and its
+    pool's counts (`round/...`) at the round's first update, plus the two manifests' keys."""
+    import polars as pl
+    c = client()
+    df = pl.read_parquet(trained.path("metrics"))
+    metrics = [(f"train/{n}", row[n], row["update"]) for row in df.iter_rows(named=True)
+               for n in df.columns if n != "update" and row[n] is not None]
+    first = trained.summary["first_update"] + 1
+    metrics += [(f"round/{k}", v, first) for k, v, _ in summary_metrics(pool.summary)]
+    metrics += [("round/stage_seconds_pool", pool.seconds, first), ("round/stage_seconds_train", trained.seconds, first),
+                ("round/cache_hit_pool", float(pool.cache_hit), first), ("round/cache_hit_train", float(trained.cache_hit), first)]
+    log_params_metrics(c, run_id, {}, metrics)

@@ -36,9 +36,14 @@ SFT_LOG = pa.schema([("step", pa.int32()), ("loss", pa.float64()), ("lr", pa.flo
 
 def model_path(manifest: Manifest, update: int | None = None) -> str:
     """Where downstream stages load pi_0, a trained policy, or its snapshot after `update`
-    updates from. Snapshots hold weights only: config and tokenizer come from model/."""
-    if update is None or manifest.stage != "train":
+    updates from. A model an artifact holds is found through its own files (the file named
+    "weights", or "snapshot_<update>" of a trained one; each in an HF folder), under
+    `manifest.folder` as set by the store that loaded it, so a copied or remote cache reads
+    its own copy. Only an external model (`model.name_or_path`) comes from the summary."""
+    if "weights" not in manifest.files:
         return manifest.summary["model_path"]
+    if update is None or manifest.stage == "base":
+        return str(manifest.path("weights").parent)
     if f"snapshot_{update}" not in manifest.files:
         known = sorted(int(k.split("_")[1]) for k in manifest.files if k.startswith("snapshot_"))
         raise ValueError(f"eval.update={update}: training run {manifest.key[:16]} has snapshots at {known} "
@@ -107,7 +112,7 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
     save(model, tok, tmp)
     tmp.rename(folder / "model")
     rows = write_parquet(log, SFT_LOG, folder / "sft.parquet")
-    summary = {"model_path": str(folder / "model"), "sft_steps": step,
+    summary = {"sft_steps": step,     # the model: files["weights"] (model_path), no absolute path
                "check_sampled_accuracy": acc, "check_greedy_accuracy": greedy,
                "parameters": sum(p.numel() for p in model.parameters())}
     return {"sft_log": ("sft.parquet", rows), "weights": ("model/model.safetensors", None),

@@ -87,10 +87,13 @@ def benchmark_table(samples: pl.DataFrame, n: int, ks: list[int]) -> pl.DataFram
     return pl.DataFrame(rows + ([avg] if len(rows) > 1 else []))
 
 
+TRAINED = ("train", "online_train")       # stages whose model has an update count
+
+
 def progress_name(cfg: PipelineConfig, model: Manifest) -> str:
     """'evaluate base seed 1' or 'evaluate grpo seed 1 update 8': which of a flow's many
     evaluations a progress line belongs to."""
-    if model.stage != "train":
+    if model.stage not in TRAINED:
         return f"evaluate {model.stage} seed {cfg.seed}"
     return f"evaluate {cfg.train.method} seed {cfg.seed} update {cfg.eval.update or model.summary['updates']}"
 
@@ -123,7 +126,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     return Built(files={"samples": ("eval.parquet", rows), "report_md": ("eval_report.md", None),
                         "report_csv": ("eval_report.csv", scores.height)}, summary={
         "model": inputs["model"].stage, "model_key": inputs["model"].key, "problems": len(problems),
-        "update": (ec.update or inputs["model"].summary["updates"]) if inputs["model"].stage == "train" else 0,
+        "update": (ec.update or inputs["model"].summary["updates"]) if inputs["model"].stage in TRAINED else 0,
         "n_samples": n, f"mean_at_{n}": overall[f"mean_at_{n}"],
         **{f"pass_at_{k}": overall[f"pass_at_{k}"] for k in ks},
         **{f"{r['benchmark']}/mean_at_{n}": r[f"mean_at_{n}"] for r in scores.iter_rows(named=True)

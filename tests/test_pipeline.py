@@ -65,7 +65,7 @@ def test_same_config_and_seed_same_pool_bytes_and_weights(tmp_path, smoke_cfg, b
     wa, wb = load_file(a.path("weights")), load_file(b.path("weights"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert a.summary["group_order_sha256"] == b.summary["group_order_sha256"]
-    base_w = load_file(os.path.join(base_manifest.summary["model_path"], "model.safetensors"))
+    base_w = load_file(base_manifest.path("weights"))
     assert any(not torch.equal(wa[k], base_w[k]) for k in wa)   # training moved the weights
     other_seed = rollout.run(load_config("smoke", ["seed=7"]), {"base": base_manifest}, store=other)
     assert other_seed.files["rollouts"].sha256 != roll.files["rollouts"].sha256

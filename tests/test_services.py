@@ -94,6 +94,42 @@ def test_second_deployment_run_is_all_cache_hits(services):
     assert len(children) == 9 and all(tag(r, "ggpo.cache_hit") == "true" for r in children)
 
 
+def run_online(state):
+    return sh([str(BIN / "prefect"), "deployment", "run", "ggpo/online", "-p", "preset=smoke-online",
+               "--watch", "--watch-timeout", "600"], env={"PREFECT_API_URL": state["urls"]["prefect_api"]})
+
+
+def history(mlflow, run, metric):
+    got = api(mlflow, f"/api/2.0/mlflow/metrics/get-history?run_id={run['info']['run_id']}&metric_key={metric}")
+    return sorted((m["step"], m["value"]) for m in got.get("metrics", []))
+
+
+def test_online_deployment_runs_then_is_all_cache_hits(services):
+    """ggpo/online (Algorithm 1) through the Prefect server; a second run builds nothing."""
+    for attempt in (1, 2):
+        res = run_online(services)
+        assert res.returncode == 0 and "Completed" in res.stdout, (attempt, res.stdout[-3000:] + res.stderr[-3000:])
+    mlflow = services["urls"]["mlflow"]
+    exp_id = api(mlflow, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=ggpo-offline")["experiment"]["experiment_id"]
+    parents = runs_of(mlflow, exp_id, "tags.`ggpo.preset` = 'smoke-online'")
+    assert len(parents) == 2 and all(p["info"]["status"] == "FINISHED" for p in parents)
+    for parent, hit in ((parents[1], 0.0), (parents[0], 1.0)):       # newest first
+        children = runs_of(mlflow, exp_id, f"tags.mlflow.parentRunId = '{parent['info']['run_id']}'")
+        cells = {r["info"]["run_name"]: r for r in children if tag(r, "ggpo.stage") == "online"}
+        assert sorted(cells) == ["ggpo-seed42", "grpo-seed42"]
+        for run in cells.values():
+            assert [v for _, v in history(mlflow, run, "round/cache_hit_train")] == [hit, hit]     # 2 rounds of N = 2
+            spent = history(mlflow, run, "train/responses_generated")
+            assert [s for s, _ in spent] == [1, 2, 3, 4] and spent[0][1] > 0 and spent[2][1] > spent[1][1]
+            assert [s for s, _ in history(mlflow, run, "eval/mean_at_4")] == [0, 3, 4]
+        evals = [r for r in children if tag(r, "ggpo.stage") == "evaluate"]
+        assert evals and all(tag(r, "ggpo.cache_hit") == ("true" if hit else "false") or r["info"]["run_name"]
+                             .startswith("evaluate-base") for r in evals)
+    report = api(mlflow, f"/api/2.0/mlflow/artifacts/list?run_id={parents[0]['info']['run_id']}&path=report")["files"]
+    assert {"report/report.md", "report/final.csv", "report/figure1.png", "report/figure2.png",
+            "report/diagnostics.csv"} <= {f["path"] for f in report}
+
+
 def test_parallel_training_in_the_flow_equals_a_sequential_build(services, tmp_path, base_manifest, pool):
     """The flow trained grpo and ggpo concurrently (threads); one at a time gives the same bytes."""
     from pipeline import dag

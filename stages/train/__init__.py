@@ -18,6 +18,7 @@ from pipeline.schemas import TRAIN_METRICS, write_parquet
 from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store
 from stages.base import model_path
+from stages.train import distributed
 from stages.train.loop import TrainingError, load_pool, train
 from stages.train.order import order_hash
 
@@ -39,14 +40,17 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     base_path = model_path(inputs["base"])
     tokenizer = load_tokenizer(base_path)
     pool = load_pool(inputs["pool"].path("train_pool"), cfg.rollout.group_size, cfg.train.needs_behavior_logprobs())
-    rows = train(cfg, pool, base_path, tokenizer, folder)
+    if distributed.wanted(cfg.train):     # torchrun, FSDP2 ranks running the same loop
+        rows = distributed.launch(cfg, base_path, inputs["pool"].path("train_pool"), folder)
+    else:
+        rows = train(cfg, pool, base_path, tokenizer, folder)
     n = write_parquet({k: [r.get(k) for r in rows] for k in TRAIN_METRICS.names}, TRAIN_METRICS, folder / "metrics.parquet")
     tc = cfg.train
     snapshots = {f"snapshot_{u}": (f"snapshots/update_{u:05d}/model.safetensors", None)
                  for u in tc.snapshot_updates()}
     return Built(
         files={"metrics": ("metrics.parquet", n), "weights": ("model/model.safetensors", None)} | snapshots,
-        summary={"model_path": str(folder / "model"), "method": tc.method, "seed": cfg.seed,
+        summary={"method": tc.method, "seed": cfg.seed,     # the model: files["weights"] (model_path)
                  "t_ref": tc.refresh_every() or "fixed", "step_anchor": tc.needs_step_anchor(),
                  "updates": tc.updates, "pool_groups": len(pool.group_ids),
                  "group_order_sha256": order_hash(tc.updates, tc.groups_per_update, pool.group_ids, cfg.seed),

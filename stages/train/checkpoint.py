@@ -1,30 +1,43 @@
 """Atomic training checkpoints: model, optimizer, reference, RNG states, update index,
 metrics so far and the current step's anchor log-probs (lp_old).
 
-One file, `checkpoints/latest.pt`, replaced atomically (write temp, fsync, rename), so a
-crash at any moment leaves the previous complete checkpoint. The pool cursor is the update
-index: the group order is a pure function of (seed, update), see `order.py`.
+One process: one file, `checkpoints/latest.pt`, replaced atomically (write temp, fsync,
+rename), so a crash at any moment leaves the previous complete checkpoint.
+
+Under torchrun (an FSDP-sharded policy, distributed.py): torch.distributed.checkpoint (DCP).
+Every rank writes its shards of the model and optimizer into `checkpoints/.dcp-NNNNNN.tmp/`;
+rank 0 adds `meta.pt` (update, metrics, lp_old, ESS block, reference once refreshed, its
+RNG), renames the folder to `dcp-NNNNNN/`, then replaces the pointer `latest-dcp.json`
+atomically and removes older `dcp-*` folders. A rank dying at any moment leaves the pointer
+on the previous complete folder. DCP reshards on load, so a run resumes under another
+world size; `load` picks whichever of `latest.pt` and the DCP pointer is further on, and
+`restore` applies either format to a plain or a sharded policy.
+
+The pool cursor is the update index: the group order is a pure function of (seed, update),
+see `order.py`.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import torch
 
-from pipeline.store import fsync_rename
+from pipeline.store import fsync_rename, write_text_atomic
 
 NAME = "latest.pt"
+POINTER = "latest-dcp.json"
+META = "meta.pt"
 
 
 def save(folder: Path, *, update: int, model, optimizer, reference, metrics: list[dict],
          lp_old: dict | None = None, block_s: list[float] | None = None) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    state = {
+    from stages.train.distributed import after_checkpoint, is_sharded
+    meta = {
         "update": update,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
         "reference": reference.state_dict() if reference is not None else None,
         "torch_rng": torch.get_rng_state(),
         "python_rng": random.getstate(),
@@ -32,24 +45,100 @@ def save(folder: Path, *, update: int, model, optimizer, reference, metrics: lis
         "lp_old": lp_old,        # step anchor, needed to resume inside a step exactly
         "block_s": block_s or [],  # sequence log ratios of the unfinished ESS block
     }
+    if is_sharded(model):
+        _save_dcp(folder, update, model, optimizer, meta)
+        after_checkpoint(update)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    state = meta | {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
     tmp = folder / f".{NAME}.tmp-{os.getpid()}"
     torch.save(state, tmp)
     fsync_rename(tmp, folder / NAME)
 
 
-def load(folder: Path) -> dict | None:
-    path = folder / NAME
+def _save_dcp(folder: Path, update: int, model, optimizer, meta: dict) -> None:
+    """Collective: every rank calls it after the same update."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from stages.train.distributed import current
+    d = current()
+    name = f"dcp-{update:06d}"
+    tmp, final = folder / f".{name}.tmp", folder / name
+    if d.is_main:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)     # leftovers of a rank that died mid-save
+    d.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    if d.is_main:
+        torch.save(meta, tmp / f".{META}.tmp")
+        fsync_rename(tmp / f".{META}.tmp", tmp / META)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        write_text_atomic(folder / POINTER, json.dumps({"dir": name, "update": update}))
+        for old in folder.glob("dcp-*"):
+            if old.name != name:
+                shutil.rmtree(old, ignore_errors=True)
+    d.barrier()
+
+
+def _dcp_pointer(folder: Path) -> dict | None:
+    path = folder / POINTER
     if not path.exists():
         return None
+    pointer = json.loads(path.read_text())
+    return pointer if (folder / pointer["dir"] / META).exists() else None
+
+
+def load(folder: Path) -> dict | None:
+    """The furthest complete checkpoint: latest.pt's state, or a DCP checkpoint's meta with
+    `dcp` (its folder) in place of the model and optimizer; None when there is none."""
+    path, pointer = folder / NAME, _dcp_pointer(folder)
     # on the CPU first: load_state_dict then copies to wherever the model and optimizer live
-    return torch.load(path, weights_only=False, map_location="cpu")
+    plain = torch.load(path, weights_only=False, map_location="cpu") if path.exists() else None
+    if pointer is None or (plain is not None and plain["update"] >= pointer["update"]):
+        return plain
+    where = folder / pointer["dir"]
+    return torch.load(where / META, weights_only=False, map_location="cpu") | {"dcp": str(where)}
+
+
+def load_meta(folder: Path) -> dict | None:
+    """What `load` gives (update, metrics, ...), for a reader that needs no weights."""
+    return load(folder)
 
 
 def restore(state: dict, *, model, optimizer, reference) -> tuple[int, list[dict]]:
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    from stages.train.distributed import is_sharded
+    if "dcp" in state:
+        _restore_dcp(Path(state["dcp"]), model, optimizer)
+    elif is_sharded(model):
+        _restore_full_into_sharded(state, model, optimizer)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     if reference is not None and state["reference"] is not None:
         reference.load_state_dict(state["reference"])
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["python_rng"])
     return state["update"], state["metrics"]
+
+
+def _restore_dcp(where: Path, model, optimizer) -> None:
+    """DCP -> model and optimizer, sharded (collective) or plain (one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(where))
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def _restore_full_into_sharded(state: dict, model, optimizer) -> None:
+    """A one-process latest.pt into a sharded policy: the optimizer's parameter indices
+    become names (the order of model.named_parameters(), which sharding keeps)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    names = [n for n, _ in model.named_parameters()]
+    osd = state["optimizer"]
+    named = {"state": {names[i]: v for i, v in osd["state"].items()},
+             "param_groups": [g | {"params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=named,
+                   options=StateDictOptions(full_state_dict=True))

@@ -3,7 +3,7 @@
 Per micro-batch we return sums (already divided by the update's T_tot where token-mean),
 so an update's value is the sum over its micro-batches:
 - K3 behavior-learner mismatch: sum mask (rho - 1 - log rho) / T_tot, rho = exp(lp - lp_beh)
-- mean |lp - lp_beh| over tokens
+- mean |lp - lp_beh| over tokens, and its max (the online loop's "ratios are 1 at a step start")
 - mean learner-reference sequence log ratio ell (returned as a sum over responses)
 - within-success ESS of GGPO weights (groups with >= 2 successes; a sum and a count)
 Sequence log ratios s_i = sum_t mask (lp - lp_beh) are returned per response: the
@@ -51,6 +51,7 @@ def micro_batch_stats(inp: LossInputs, beta: float) -> dict:
     return {
         "k3_mismatch": float((k3 * mask).sum() / inp.t_tot),
         "abs_log_ratio": float((log_rho.abs() * mask).sum() / inp.t_tot),
+        "max_abs_log_ratio": float((log_rho.abs() * mask).max()) if mask.numel() else 0.0,
         "ell_sum": float(ell.sum()),
         "ggpo_raw_sum": float(ggpo_group_loss(rt, beta).sum()) if beta > 0 else float("nan"),
         "success_ess_sum": ess_sum, "success_ess_count": ess_count,

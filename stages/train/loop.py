@@ -8,6 +8,8 @@ Then: global grad norm (before clipping), clip, a finiteness check (a bad update
 applied), the optimizer step, reference refresh every t_ref updates, a metrics row, and
 an atomic checkpoint every `checkpoint_every` updates. Device, precision and gradient
 checkpointing come prepared in a `Runtime` (pipeline/runtime.py); the loss never sees them.
+Under torchrun (distributed.py) every rank runs this same loop on its shard of each
+update's groups; T_tot, the metrics and the ESS block stay global.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import logging
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import polars as pl
@@ -25,7 +27,7 @@ from pipeline.config import PipelineConfig, TrainConfig
 from pipeline.hf import load_model
 from pipeline.progress import Progress
 from pipeline.runtime import Runtime, make_runtime
-from stages.train import checkpoint
+from stages.train import checkpoint, distributed
 from stages.train.diagnostics import micro_batch_stats, normalized_ess
 from stages.train.losses import LossInputs, get_loss
 from stages.train.order import groups_for_update
@@ -127,8 +129,9 @@ def policy_logprobs(model, batch: Batch, rt: Runtime, temperature: float, with_e
                     device: torch.device | None = None):
     """token_logprobs on the model's device under the runtime's precision; results on rt.device."""
     with rt.autocast():
-        lp, entropy = token_logprobs(model, batch.to(device or rt.device), temperature, with_entropy,
-                                     rt.logprob_impl, rt.chunk_tokens)
+        # an FSDP policy's registered forward method (distributed.shard_policy), else the function
+        fn = getattr(model, "ggpo_token_logprobs", None) or (lambda *a: token_logprobs(model, *a))
+        lp, entropy = fn(batch.to(device or rt.device), temperature, with_entropy, rt.logprob_impl, rt.chunk_tokens)
     return lp.to(rt.device), entropy
 
 
@@ -137,13 +140,26 @@ def step_anchor(model, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_i
                 rt: Runtime) -> dict[int, list[list[float]]]:
     """lp_old (spec 8.1): the trainer's log-probs of a step's groups at the step start."""
     out = {}
-    for chunk in micro_batches(pool, sorted(set(groups)), cfg.train):
+    for chunk, real in my_micro_batches(pool, sorted(set(groups)), cfg.train):
         batch = _batch(pool, chunk, pad_id)
         lp, _ = policy_logprobs(model, batch, rt, cfg.rollout.temperature)
+        if not real:
+            continue
         rows = [row[:int(n)] for row, n in zip(lp.tolist(), batch.mask.sum(1).tolist())]
         for j, g in enumerate(chunk):
             out[g] = rows[j * pool.group_size:(j + 1) * pool.group_size]
-    return out
+    d = distributed.current()     # each rank did its shard; every rank keeps the whole anchor
+    return out if d is None else {g: v for part in d.gather(out) for g, v in part.items()}
+
+
+def my_micro_batches(pool: Pool, groups: list[int], tc: TrainConfig) -> list[tuple[list[int], bool]]:
+    """This process's micro-batches of `groups`, each flagged real. Under torchrun: this
+    rank's contiguous shard of whole groups, padded with non-real micro-batches to the
+    largest rank's count (FSDP needs the same forwards/backwards on every rank)."""
+    d = distributed.current()
+    if d is None:
+        return [(c, True) for c in micro_batches(pool, groups, tc)]
+    return d.lockstep([micro_batches(pool, s, tc) for s in d.shards(groups)])
 
 
 def micro_batch_loss(model, reference, pool: Pool, groups: list[int], tc: TrainConfig,
@@ -178,17 +194,25 @@ def run_update(model, reference, pool: Pool, groups: list[int], cfg: PipelineCon
     sums = {"k3_mismatch": 0.0, "abs_log_ratio": 0.0, "ell_sum": 0.0, "ggpo_raw_sum": 0.0,
             "success_ess_sum": 0.0, "success_ess_count": 0}
     rt = runtime or make_runtime(tc)
-    for chunk in micro_batches(pool, groups, tc):
+    for chunk, real in my_micro_batches(pool, groups, tc):
         loss, metrics, ent, stats = micro_batch_loss(model, reference, pool, chunk, tc, cfg.rollout.temperature,
                                                      pad_id, t_tot, len(groups) * m, lp_old, rt)
+        if not real:             # a rank's padding pass: collectives only, no contribution
+            (loss * 0.0).backward()
+            continue
         loss.backward()
         row["loss"] += loss.item()
         row["entropy"] += ent / t_tot
         for k, v in metrics.items():          # additive by the loss contract
             row[k] = row.get(k, 0.0) + v
         row["seq_log_ratio"] += stats.pop("seq_log_ratio")
+        row["max_abs_log_ratio"] = max(row.get("max_abs_log_ratio", 0.0), stats.pop("max_abs_log_ratio"))
         for k in sums:
             sums[k] += stats[k]
+    d = distributed.current()
+    if d is not None:            # global sums over the ranks' shards (T_tot is global already)
+        parts = d.gather((row, sums))
+        row, sums = distributed.combine([p[0] for p in parts]), distributed.combine([p[1] for p in parts])
     n_seq = len(groups) * m
     row |= {"k3_mismatch": sums["k3_mismatch"], "abs_log_ratio": sums["abs_log_ratio"],
             "mean_ell": sums["ell_sum"] / n_seq, "ggpo_raw_loss": sums["ggpo_raw_sum"] / len(groups),
@@ -208,26 +232,59 @@ def save_policy(model, tokenizer, final: Path) -> None:
     """An HF folder (weights, config, tokenizer), written to a temp name then renamed."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    if distributed.is_sharded(model):      # gathered on every rank (collective), rank 0 writes
+        distributed.save_sharded_policy(model, tokenizer, tmp, final)
+        return
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
 
 
-def _start(cfg: PipelineConfig, base_path: str, ckpt_dir: Path, rt: Runtime):
-    """Policy, reference and optimizer on the runtime's device, resumed from the last
-    checkpoint if there is one: (model, reference, opt, start update, rows, lp_old, block_s).
-    lp_old of the current step survives a resume inside the checkpoint (it was taken with
-    the step-start weights, which a resumed run no longer has)."""
+@dataclass
+class TrainState:
+    """Everything an update needs and a checkpoint keeps: policy, reference, optimizer, the
+    number of updates done, metrics rows, the current step's anchor log-probs (lp_old) and
+    the sequence log ratios of the unfinished ESS block."""
+    model: torch.nn.Module
+    reference: torch.nn.Module
+    opt: torch.optim.Optimizer
+    update: int = 0
+    rows: list[dict] = field(default_factory=list)
+    lp_old: dict | None = None
+    block_s: list[float] = field(default_factory=list)
+
+
+def new_state(cfg: PipelineConfig, policy_path: str, reference_path: str, rt: Runtime) -> TrainState:
+    """Policy from `policy_path`, reference from `reference_path`, a fresh AdamW."""
     tc = cfg.train
-    model, reference = rt.prepare(load_model(base_path)), rt.prepare_reference(load_model(base_path))
+    model, reference = rt.prepare(load_model(policy_path)), rt.prepare_reference(load_model(reference_path))
+    model = distributed.shard_policy(model, rt.autocast_dtype)     # under torchrun only; before the optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
-    state = checkpoint.load(ckpt_dir)
+    return TrainState(model, reference, opt)
+
+
+def resume(st: TrainState, state: dict | None, where: Path) -> TrainState:
+    """`st` with a checkpoint's weights, optimizer, reference (when it holds one), RNG,
+    update index, rows, lp_old and ESS block applied (None: `st` unchanged). lp_old of the
+    current step survives a resume (it was taken with the step-start weights, which a
+    resumed run no longer has)."""
     if state is None:
-        return model, reference, opt, 0, [], None, []
-    start, rows = checkpoint.restore(state, model=model, optimizer=opt, reference=reference)
-    log.info("train %s seed %d: resuming after update %d from %s", tc.method, cfg.seed, start, ckpt_dir)
-    return model, reference, opt, start, rows, state.get("lp_old"), state.get("block_s", [])
+        return st
+    st.update, st.rows = checkpoint.restore(state, model=st.model, optimizer=st.opt, reference=st.reference)
+    st.lp_old, st.block_s = state.get("lp_old"), state.get("block_s", [])
+    log.info("train: resuming after update %d from %s", st.update, where)
+    return st
+
+
+def save_checkpoint(st: TrainState, folder: Path, tc: TrainConfig) -> None:
+    """The state after st.update updates, atomically. The reference is stored only once it
+    has been refreshed (before that it is pi_0, which every resume loads anyway)."""
+    t_ref = tc.refresh_every()
+    refreshed = t_ref is not None and st.update >= t_ref
+    checkpoint.save(folder, update=st.update, model=st.model, optimizer=st.opt,
+                    reference=st.reference if refreshed else None, metrics=st.rows,
+                    lp_old=st.lp_old if tc.needs_step_anchor() else None, block_s=st.block_s)
 
 
 def _step_groups(u: int, tc: TrainConfig, n_groups: int, seed: int) -> list[int]:
@@ -236,42 +293,63 @@ def _step_groups(u: int, tc: TrainConfig, n_groups: int, seed: int) -> list[int]
     return [g for v in step for g in groups_for_update(v, tc.groups_per_update, n_groups, seed)]
 
 
-def train(cfg: PipelineConfig, pool: Pool, base_path: str, tokenizer, folder: Path) -> list[dict]:
-    """Runs (or resumes) the updates, saves the final policy in `folder/model`, returns the
-    metrics rows."""
-    tc, pad_id, rt = cfg.train, tokenizer.pad_token_id, make_runtime(cfg.train)
-    ckpt_dir, n_groups = folder / "checkpoints", len(pool.group_ids)
-    model, reference, opt, start, rows, lp_old, block_s = _start(cfg, base_path, ckpt_dir, rt)
+def one_update(st: TrainState, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_id: int,
+               rt: Runtime, ckpt_dir: Path) -> dict:
+    """Update st.update + 1 on `groups`: forward/backward, finiteness check (a bad update is
+    never applied), optimizer step, reference refresh, ESS block; returns its metrics row."""
+    tc, u, t0 = cfg.train, st.update, time.perf_counter()
     needs_anchor, t_ref = tc.needs_step_anchor(), tc.refresh_every()
-    model.train()
-    with Progress(f"train {tc.method} seed {cfg.seed}", total=tc.updates, unit="update", start=start) as bar:
-        for u in range(start, tc.updates):
-            t0 = time.perf_counter()
-            groups = groups_for_update(u, tc.groups_per_update, n_groups, cfg.seed)
-            if needs_anchor and u % tc.updates_per_step == 0:
-                lp_old = step_anchor(model, pool, _step_groups(u, tc, n_groups, cfg.seed), cfg, pad_id, rt)
-            row = run_update(model, reference, pool, groups, cfg, pad_id, lp_old if needs_anchor else None, rt)
-            if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
-                raise TrainingError(f"update {u + 1} (method {tc.method}): non-finite loss {row['loss']} or grad norm "
-                                    f"{row['grad_norm']}; the last good checkpoint is kept in {ckpt_dir}")
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            refresh = t_ref is not None and (u + 1) % t_ref == 0   # spec 7: refresh after update u
-            if refresh:
-                reference.load_state_dict(model.state_dict())
-            block_s += row.pop("seq_log_ratio")
-            ess = None
-            if (u + 1) % tc.diagnostics_block == 0 or u + 1 == tc.updates:
-                ess, block_s = normalized_ess(torch.tensor(block_s, dtype=torch.float64)), []
-            rows.append(row | {"update": u + 1, "lr": tc.lr, "seconds": time.perf_counter() - t0,
-                               "ess": ess, "ref_refreshed": refresh})
-            if u + 1 in tc.snapshot_updates():
-                # before the checkpoint, so a resume never skips a snapshot
-                save_policy(model, tokenizer, snapshot_dir(folder, u + 1))
-            if (u + 1) % tc.checkpoint_every == 0 or u + 1 == tc.updates:
-                checkpoint.save(ckpt_dir, update=u + 1, model=model, optimizer=opt, reference=reference,
-                                metrics=rows, lp_old=lp_old if needs_anchor else None, block_s=block_s)
+    row = run_update(st.model, st.reference, pool, groups, cfg, pad_id, st.lp_old if needs_anchor else None, rt)
+    if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+        raise TrainingError(f"update {u + 1} (method {tc.method}): non-finite loss {row['loss']} or grad norm "
+                            f"{row['grad_norm']}; the last good checkpoint is kept in {ckpt_dir}")
+    st.opt.step()
+    st.opt.zero_grad(set_to_none=True)
+    refresh = t_ref is not None and (u + 1) % t_ref == 0   # spec 7: refresh after update u
+    if refresh:
+        st.reference.load_state_dict(distributed.policy_state(st.model))
+    st.block_s += row.pop("seq_log_ratio")
+    ess = None
+    if (u + 1) % tc.diagnostics_block == 0 or u + 1 == tc.updates:
+        ess, st.block_s = normalized_ess(torch.tensor(st.block_s, dtype=torch.float64)), []
+    st.update = u + 1
+    return row | {"update": u + 1, "lr": tc.lr, "seconds": time.perf_counter() - t0, "ess": ess,
+                  "ref_refreshed": refresh}
+
+
+def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, folder: Path, stop: int,
+                groups_of, step_groups_of, rt: Runtime, desc: str, last_checkpoint: bool = True) -> TrainState:
+    """Updates st.update .. stop-1. groups_of(u): update u's pool positions; step_groups_of(u):
+    every group of the step starting at u (the step anchor's groups, at u % N == 0).
+    Snapshots after the updates in train.snapshot_updates (before the checkpoint, so a resume
+    never skips one); a checkpoint every train.checkpoint_every updates and after the last
+    (unless not last_checkpoint: the caller saves the end state itself)."""
+    tc, pad_id, ckpt_dir = cfg.train, tokenizer.pad_token_id, folder / "checkpoints"
+    st.model.train()
+    with Progress(desc, total=stop, unit="update", start=st.update) as bar:
+        while st.update < stop:
+            u = st.update
+            if tc.needs_step_anchor() and u % tc.updates_per_step == 0:
+                st.lp_old = step_anchor(st.model, pool, step_groups_of(u), cfg, pad_id, rt)
+            row = one_update(st, pool, groups_of(u), cfg, pad_id, rt, ckpt_dir)
+            st.rows.append(row)
+            if u + 1 in tc.snapshot_updates() and u + 1 < stop:
+                save_policy(st.model, tokenizer, snapshot_dir(folder, u + 1))
+            if (u + 1 < stop and (u + 1) % tc.checkpoint_every == 0) or (u + 1 == stop and last_checkpoint):
+                save_checkpoint(st, ckpt_dir, tc)
             bar.update(1, loss=f"{row['loss']:.4f}", reward=f"{row['reward']:.3f}",
-                       tok_s=f"{row['tokens'] / rows[-1]['seconds']:.0f}")
-    save_policy(model, tokenizer, folder / "model")
-    return rows
+                       tok_s=f"{row['tokens'] / row['seconds']:.0f}")
+    return st
+
+
+def train(cfg: PipelineConfig, pool: Pool, base_path: str, tokenizer, folder: Path) -> list[dict]:
+    """Runs (or resumes) the offline updates, saves the final policy in `folder/model`,
+    returns the metrics rows."""
+    tc, rt, n_groups = cfg.train, make_runtime(cfg.train), len(pool.group_ids)
+    ckpt_dir = folder / "checkpoints"
+    st = resume(new_state(cfg, base_path, base_path, rt), checkpoint.load(ckpt_dir), ckpt_dir)
+    run_updates(st, pool, cfg, tokenizer, folder, tc.updates,
+                lambda u: groups_for_update(u, tc.groups_per_update, n_groups, cfg.seed),
+                lambda u: _step_groups(u, tc, n_groups, cfg.seed), rt, f"train {tc.method} seed {cfg.seed}")
+    save_policy(st.model, tokenizer, folder / "model")
+    return st.rows

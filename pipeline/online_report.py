@@ -1,0 +1,194 @@
+"""The online comparison's report (seed Tables 1 / 2 / 4, Figures 1 / 2 / 3 / 7 forms).
+
+Inputs: evaluations (one row per cell, seed and evaluated update: accuracy = mean@n on
+the eval split; update 0 is the base policy) and per-update curves (ONLINE_METRICS rows),
+both carrying each cell's columns: `method` (the methods entry), `cell` (its label), `N`
+(train.updates_per_step), `t_ref` and the grid's fields. Every number is a mean over
+seeds; ± is the sample std (ddof 1) where there is more than one seed.
+
+- final.md/csv (Table 1 form): final accuracy per cell.
+- staleness.md/csv, figure3.png (Table 4 / Figure 3): final accuracy against N, one row per
+  method (and other grid values), when the experiment has more than one N.
+- refresh.md/csv (Table 2): final accuracy against t_ref, when it has more than one.
+- figure1.png: K3 mismatch, entropy and accuracy against updates.
+- figure2.png: cumulative generated responses against updates; accuracy against them.
+- diagnostics.md/csv, figure7.png: K3, sequence ESS, entropy and response length
+  averaged over the last quarter of each run's updates, against N.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from pipeline import grid
+from pipeline.config import PipelineConfig
+from pipeline.report import cell as fmt_cell
+
+KEYS = ("method", "cell", "N", "t_ref")
+DIAGNOSTICS = ("k3_mismatch", "ess", "entropy", "response_length")
+
+
+def columns(cell: grid.Cell, cfg: PipelineConfig) -> dict[str, Any]:
+    """A cell's report columns: method, label, N, t_ref (as text) and its grid values."""
+    tc = cell.config.train
+    out = {"method": cell.method, "cell": cell.label, "N": tc.updates_per_step, "t_ref": str(tc.refresh_every() or "fixed")}
+    for field, value in grid.columns(cell, cfg).items():
+        if field not in ("cell", "train.updates_per_step", "train.t_ref"):
+            out[field] = value
+    return out
+
+
+def finals(evals: pl.DataFrame) -> pl.DataFrame:
+    """The last evaluated update of each cell and seed."""
+    return evals.filter(pl.col("update") == pl.col("update").max().over("cell"))
+
+
+def _agg(frame: pl.DataFrame, by: list[str], value: str = "accuracy") -> pl.DataFrame:
+    return frame.group_by(by, maintain_order=True).agg(
+        pl.col(value).mean().alias("mean"), pl.col(value).std(ddof=1).alias("std"), pl.len().alias("seeds"))
+
+
+def in_cell_order(evals: pl.DataFrame) -> pl.DataFrame:
+    """Rows in the experiment's cell order (the base evaluations come first, one per cell
+    in grid order), not in the order the cells finished."""
+    order = {c: i for i, c in enumerate(evals.filter(pl.col("update") == 0)["cell"].unique(maintain_order=True))}
+    return evals.sort(pl.col("cell").replace_strict(order, default=len(order)), "seed", "update", maintain_order=True)
+
+
+def pivot_table(evals: pl.DataFrame, field: str, title: str) -> tuple[str, pl.DataFrame] | None:
+    """Final accuracy with `field` as columns, one row per method and other grid values;
+    None unless some method ran with more than one value of `field`."""
+    values = evals[field].unique(maintain_order=True).to_list()
+    if evals.group_by("method").agg(pl.col(field).n_unique())[field].max() < 2:
+        return None     # one value per method (GRPO fixed, GGPO 160 by default): nothing to compare
+    rows = [c for c in evals.columns if c not in ("cell", "seed", "update", "accuracy", field)]
+    agg = _agg(finals(evals), rows + [field])
+    lines = [title, "", "| " + " | ".join(rows) + " | " + " | ".join(f"{field}={v}" for v in values) + " |",
+             "|" + "---|" * (len(rows) + len(values))]
+    for key in agg.select(rows).unique(maintain_order=True).iter_rows():
+        sub = agg.filter(pl.all_horizontal([pl.col(c) == v for c, v in zip(rows, key)]))
+        by_value = {r[field]: r for r in sub.iter_rows(named=True)}
+        cells = [fmt_cell(by_value[v]["mean"], by_value[v]["std"]) if v in by_value else "" for v in values]
+        lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n", agg
+
+
+def diagnostics(curves: pl.DataFrame) -> pl.DataFrame:
+    """Spec-9 diagnostics averaged over the last quarter of each run's updates (Figure 7)."""
+    last = curves.filter(pl.col("update") > pl.col("update").max().over("cell") * 3 / 4)
+    return (last.group_by(["method", "cell", "N", "t_ref", "seed"], maintain_order=True)
+            .agg(*[pl.col(d).drop_nulls().mean() for d in DIAGNOSTICS])
+            .group_by(["method", "cell", "N", "t_ref"], maintain_order=True).agg(*[pl.col(d).mean() for d in DIAGNOSTICS]))
+
+
+def markdown_final(evals: pl.DataFrame, metric: str) -> str:
+    agg = _agg(finals(evals), ["cell", "N", "t_ref"])
+    base = evals.filter(pl.col("update") == 0)["accuracy"].mean()
+    lines = [f"Final accuracy ({metric}, %; base policy {100 * base:.2f})", "", "| cell | N | t_ref | seeds | final |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {r['cell']} | {r['N']} | {r['t_ref']} | {r['seeds']} | {fmt_cell(r['mean'], r['std'])} |"
+              for r in agg.iter_rows(named=True)]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_frame(frame: pl.DataFrame, title: str) -> str:
+    lines = [title, "", "| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    for r in frame.iter_rows():
+        lines.append("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _lines(ax, frame: pl.DataFrame, x: str, y: str, label: str = "cell") -> None:
+    for name in frame[label].unique(maintain_order=True).to_list():
+        sub = frame.filter(pl.col(label) == name).group_by(x, maintain_order=True).agg(pl.col(y).mean()).sort(x)
+        sub = sub.drop_nulls()
+        if sub.height:
+            ax.plot(sub[x].to_list(), sub[y].to_list(), marker=".", label=name)
+
+
+def figures(evals: pl.DataFrame, curves: pl.DataFrame, diag: pl.DataFrame, folder: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    trained = evals.filter(pl.col("update") > 0)
+    spend = curves.select("cell", "seed", "update", "responses_generated")
+    acc_spend = trained.join(spend, on=["cell", "seed", "update"], how="left")
+    paths = []
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    for ax, (frame, y, name) in zip(axes, ((curves, "k3_mismatch", "K3 behavior-learner"), (curves, "entropy", "entropy"),
+                                           (evals, "accuracy", "accuracy"))):
+        _lines(ax, frame, "update", y)
+        ax.set(xlabel="update", title=name)
+    axes[-1].legend(fontsize=6)
+    paths.append(_save(fig, folder / "figure1.png"))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    _lines(axes[0], curves, "update", "responses_generated")
+    axes[0].set(xlabel="update", title="cumulative generated responses")
+    _lines(axes[1], acc_spend.drop_nulls("responses_generated"), "responses_generated", "accuracy")
+    axes[1].set(xlabel="generated responses", title="accuracy")
+    axes[1].legend(fontsize=6)
+    paths.append(_save(fig, folder / "figure2.png"))
+    if diag["N"].n_unique() > 1:
+        ns = sorted(diag["N"].unique().to_list())
+        agg = _agg(finals(evals), ["method", "t_ref", "N"])
+        fig, axes = plt.subplots(1, 1 + len(DIAGNOSTICS), figsize=(20, 4))
+        for ax, (frame, y) in zip(axes, [(agg, "mean")] + [(diag, d) for d in DIAGNOSTICS]):
+            for name in frame["method"].unique(maintain_order=True).to_list():
+                sub = frame.filter(pl.col("method") == name).group_by("N").agg(pl.col(y).mean()).sort("N")
+                ax.plot([ns.index(n) for n in sub["N"]], sub[y].to_list(), marker="o", label=name)
+            ax.set(xticks=range(len(ns)), xticklabels=ns, xlabel="N", title="final accuracy" if y == "mean" else y)
+        axes[0].legend(fontsize=6)
+        paths.append(_save(fig, folder / "figure3_7.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return path
+
+
+def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) -> tuple[str, list[Path]]:
+    """Every table and figure into `folder`: (the Markdown of all tables, the files)."""
+    evals = in_cell_order(evals)
+    parts = [markdown_final(evals, metric)]
+    finals(evals).write_csv(folder / "final.csv")
+    paths = [folder / "final.csv"]
+    for field, name, title in (("N", "staleness", f"Final accuracy ({metric}, %) against synchronization delay N"),
+                               ("t_ref", "refresh", f"Final accuracy ({metric}, %): fixed vs refreshed reference")):
+        table = pivot_table(evals, field, title)
+        if table is not None:
+            parts.append(table[0])
+            table[1].write_csv(folder / f"{name}.csv")
+            paths.append(folder / f"{name}.csv")
+    diag = diagnostics(curves)
+    parts.append(markdown_frame(diag.drop("cell"), "Diagnostics over the last quarter of updates (seed means)"))
+    diag.write_csv(folder / "diagnostics.csv")
+    curves.write_csv(folder / "curves.csv")
+    paths += [folder / "diagnostics.csv", folder / "curves.csv"] + figures(evals, curves, diag, folder)
+    table = "\n".join(parts)
+    (folder / "report.md").write_text(table)
+    return table, [folder / "report.md"] + paths
+
+
+def log(client, parent: str, evals: pl.DataFrame, curves: pl.DataFrame, cfg: PipelineConfig) -> dict:
+    """The report as artifacts (`report/`) and final accuracies as metrics of the parent run."""
+    evals = in_cell_order(evals)
+    from pipeline import tracking
+    metric = f"mean@{cfg.eval.n_samples}"
+    with tempfile.TemporaryDirectory() as tmp:
+        table, paths = write(evals, curves, Path(tmp), metric)
+        for path in paths:
+            client.log_artifact(parent, str(path), artifact_path="report")
+    agg = _agg(finals(evals), ["cell"])
+    summary = {f"final_{metric.replace('@', '_at_')}/{grid.slug(r['cell'])}": r["mean"] for r in agg.iter_rows(named=True)}
+    summary[f"base_{metric.replace('@', '_at_')}"] = float(evals.filter(pl.col("update") == 0)["accuracy"].mean())
+    tracking.log_params_metrics(client, parent, {}, tracking.summary_metrics(
+        {k: v for k, v in summary.items() if v is not None and not math.isnan(v)}))
+    return {"table": table, "summary": summary}

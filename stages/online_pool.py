@@ -1,0 +1,168 @@
+"""Stage `online_pool`: one round's training groups under the synced sampler (spec 8.1-8.3).
+
+Input `policy`: pi_0 (the `base` stage) for round 0, else the previous round's
+`online_train` artifact, whose final policy is pi_beh for this round (the sync) and whose
+summary carries the prompt cursor and the cumulative counts. Reads `seed`, `task`,
+`rollout`, `verify.timeout_s`, `train.groups_per_update`, `train.updates_per_step`, `online.draw_prompts`.
+
+Algorithm (spec 8.1 inner loop, 8.2 refill):
+
+    C <- []
+    while |C| < N * G_mb:                      at most online.max_draws draws, else an error
+        next draw_prompts prompts of the seeded loader (spec 8.3: positions cursor.. of the
+        per-epoch permutations of (seed, "online/prompt-order", epoch))
+        m responses each under pi_beh with lp_beh; grade; append the mixed groups, in order
+    C <- first N * G_mb groups of C            surplus discarded; the cursor moves past them
+
+Sampling uses the stream (seed, "online/sample/round<r>/draw<d>"), the loader a stream of
+its own: every method of a seed sees the same prompt sequence. Writes `pool.parquet`
+(TRAIN_POOL rows of the kept groups; `group` = position in C, so update j of the round
+takes groups j*G_mb .. (j+1)*G_mb - 1) and `draws.parquet` (one row per drawn prompt: draw,
+loader position, prompt id, successes, mixed, kept). The summary counts prompts drawn and
+responses generated, discarded groups and refill draws included (paper Figure 2), for this
+round and cumulatively.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from pipeline import progress, tasks
+from pipeline.config import PipelineConfig
+from pipeline.engines import SamplingParams, make_engine
+from pipeline.grading import grade_many
+from pipeline.schemas import TRAIN_POOL, write_parquet
+from pipeline.seeding import derive_seed, permutation
+from pipeline.stage import Built, StageSpec, run_stage
+from pipeline.store import Manifest, Store
+from stages.base import model_path
+from stages.rollout import prompt_table, rollout_table
+
+DRAWS = pa.schema([("draw", pa.int32()), ("position", pa.int64()), ("prompt_id", pa.string()),
+                   ("successes", pa.int32()), ("mixed", pa.bool_()), ("kept", pa.bool_())])
+
+
+class RefillError(RuntimeError):
+    """A round could not collect its N * G_mb mixed-reward groups within online.max_draws."""
+
+
+@dataclass
+class Refill:
+    kept: list[Any]          # payloads of the first `need` mixed groups, in draw order
+    draws: int               # prompt batches drawn
+    prompts: int             # prompts drawn (= groups generated)
+    responses: int           # responses generated, dropped groups and the surplus included
+    mixed: int               # mixed groups found (>= need; the surplus is discarded)
+
+
+def is_mixed(rewards: list[float]) -> bool:
+    """Spec 8.2: keep a group iff max r > min r."""
+    return max(rewards) > min(rewards)
+
+
+def collect_mixed(draw: Callable[[int], list[tuple[Any, list[float]]]], need: int, max_draws: int,
+                  what: str = "round") -> Refill:
+    """Draw batches `draw(0), draw(1), ...` of (payload, rewards) groups until `need` mixed
+    groups exist; keep the first `need`. Raises RefillError after `max_draws` draws."""
+    kept: list[Any] = []
+    prompts = responses = 0
+    for d in range(max_draws):
+        batch = draw(d)
+        prompts += len(batch)
+        responses += sum(len(r) for _, r in batch)
+        kept += [payload for payload, rewards in batch if is_mixed(rewards)]
+        if len(kept) >= need:
+            return Refill(kept[:need], d + 1, prompts, responses, len(kept))
+    raise RefillError(f"{what}: found {len(kept)} mixed-reward groups from {prompts} prompts ({responses} "
+                      f"responses, {max_draws} draws) but needs train.updates_per_step x "
+                      f"train.groups_per_update = {need}; the prompt set is (nearly) all solved or all failed "
+                      f"by this policy: use another task or difficulty, or raise online.max_draws")
+
+
+@lru_cache(maxsize=16)
+def _epoch(n_prompts: int, seed: int, epoch: int) -> tuple[int, ...]:
+    return tuple(permutation(n_prompts, seed, "online/prompt-order", epoch))
+
+
+def loader_positions(start: int, n: int, n_prompts: int, seed: int) -> list[int]:
+    """Dataset indices at loader positions start .. start+n-1 (spec 8.3): epoch e is the
+    permutation of (seed, "online/prompt-order", e); the order depends only on (seed, epoch)."""
+    return [_epoch(n_prompts, seed, pos // n_prompts)[pos % n_prompts] for pos in range(start, start + n)]
+
+
+def round_start(policy: Manifest) -> dict:
+    """Where this round starts: round index, updates done, loader cursor and cumulative counts."""
+    if policy.stage != "online_train":
+        return {"round": 0, "update": 0, "prompt_cursor": 0, "cumulative_prompts": 0, "cumulative_responses": 0}
+    s = policy.summary
+    return {"round": s["round"] + 1, "update": s["updates"], "prompt_cursor": s["prompt_cursor"],
+            "cumulative_prompts": s["cumulative_prompts"], "cumulative_responses": s["cumulative_responses"]}
+
+
+def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
+    rc, tc, at = cfg.rollout, cfg.train, round_start(inputs["policy"])
+    r, need, per_draw = at["round"], tc.updates_per_step * tc.groups_per_update, cfg.online.per_draw(cfg.train)
+    engine = make_engine(rc.engine, model_path(inputs["policy"]), rc.batch_prompts, cfg.model.threads,
+                         rollout_cfg=rc, device=cfg.train.device, seed=cfg.seed)   # the sync: pi_beh <- pi_theta
+    problems = tasks.splits(cfg.task)["train"]
+    drawn: list[dict] = []      # one entry per drawn prompt, for draws.parquet
+    seconds = {"generate": 0.0, "grade": 0.0}   # the round's work, for the overhead figure
+
+    def draw(d: int) -> list[tuple[Any, list[float]]]:
+        start = at["prompt_cursor"] + d * per_draw
+        picked = [problems[i] for i in loader_positions(start, per_draw, len(problems), cfg.seed)]
+        prompts = prompt_table(picked, engine.tokenizer, cfg.task.prompt)
+        params = SamplingParams(rc.group_size, rc.temperature, rc.top_p, rc.max_new_tokens,
+                                derive_seed(cfg.seed, f"online/sample/round{r}/draw{d}"))
+        t0 = time.perf_counter()
+        with progress.Progress(f"round {r} draw {d}: sample", total=len(picked), unit="prompt") as bar:
+            outs = progress.generate(engine, prompts["prompt"], params, bar)
+        rows = rollout_table(prompts, outs, params, engine)
+        t1 = time.perf_counter()
+        graded = grade_many(rows["response_text"], [(prompts["answer"][g],) for g in rows["group"]],
+                            cfg.verify.timeout_s, cfg.verify.workers)
+        seconds["generate"] += t1 - t0
+        seconds["grade"] += time.perf_counter() - t1
+        rows["reward"], rows["status"] = [g[0] for g in graded], [g[1] for g in graded]
+        m, groups = rc.group_size, []
+        for g in range(len(picked)):
+            group = {k: v[g * m:(g + 1) * m] for k, v in rows.items()}
+            drawn.append({"draw": d, "position": start + g, "prompt_id": prompts["prompt_id"][g],
+                          "successes": int(sum(x > 0.5 for x in group["reward"])),
+                          "mixed": is_mixed(group["reward"]), "kept": False})
+            groups.append(((len(drawn) - 1, group), group["reward"]))
+        return groups
+
+    refill = collect_mixed(draw, need, cfg.online.max_draws, f"online round {r} (seed {cfg.seed})")
+    getattr(engine, "close", lambda: None)()      # a vLLM engine hands its GPUs back to the trainer
+    table: dict[str, list] = {name: [] for name in TRAIN_POOL.names}
+    for position, (index, group) in enumerate(refill.kept):
+        drawn[index]["kept"] = True
+        for k in TRAIN_POOL.names:
+            table[k] += [position] * rc.group_size if k == "group" else group[k]
+    n = write_parquet(table, TRAIN_POOL, folder / "pool.parquet")
+    n_draws = write_parquet({k: [x[k] for x in drawn] for k in DRAWS.names}, DRAWS, folder / "draws.parquet")
+    return Built(files={"train_pool": ("pool.parquet", n), "draws": ("draws.parquet", n_draws)}, summary={
+        "round": r, "start_update": at["update"], "draws": refill.draws, "prompts_drawn": refill.prompts,
+        "responses_generated": refill.responses, "groups_mixed": refill.mixed, "groups_kept": len(refill.kept),
+        "groups_discarded": refill.prompts - len(refill.kept),
+        "prompt_cursor_start": at["prompt_cursor"], "prompt_cursor": at["prompt_cursor"] + refill.prompts,
+        "cumulative_prompts": at["cumulative_prompts"] + refill.prompts,
+        "cumulative_responses": at["cumulative_responses"] + refill.responses,
+        "pool_mean_reward": sum(table["reward"]) / max(n, 1), "engine": engine.name,
+        "generate_seconds": seconds["generate"], "grade_seconds": seconds["grade"]})
+
+
+SPEC = StageSpec(name="online_pool", version=1,
+                 reads=("seed", "task", "rollout", "verify.timeout_s", "train.groups_per_update", "train.updates_per_step",
+                        "online.draw_prompts"), build=build)
+
+
+def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,
+        force: bool = False) -> Manifest:
+    return run_stage(SPEC, config, inputs, store, force)

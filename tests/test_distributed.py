@@ -1,0 +1,102 @@
+"""Data-parallel training (stages/train/distributed.py): two gloo ranks under torchrun
+against one process on the tiny model, a rank killed mid-run, and bad placement settings.
+
+The config exercises every distributed path: GRPO+TIS (the step anchor lp_old is computed
+per shard and gathered), a reference refresh at update 2 (the gathered policy copied into
+the replicated reference, and stored in the checkpoint), 7 groups per update over 2 ranks
+(shards of 4 and 3 groups, 2 and 1 micro-batches: the short rank runs a padding pass).
+"""
+import shutil
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline import dag
+from pipeline.config import ConfigError, load_config
+from pipeline.runtime import preflight
+from pipeline.store import MANIFEST, Store
+from stages import train
+from stages.train import checkpoint, distributed
+from stages.train.loop import TrainingError
+
+CFG = ["train.method=grpo_tis", "train.updates=4", "train.updates_per_step=2", "train.t_ref=2",
+       "train.groups_per_update=7", "train.micro_batch_groups=3", "train.checkpoint_every=1",
+       "train.diagnostics_block=2"]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def _assert_same_weights(path_a, path_b, tol=1e-5):
+    wa, wb = load_file(path_a), load_file(path_b)
+    assert sorted(wa) == sorted(wb)
+    worst = max(_rel(wa[k], wb[k]) for k in wa)
+    assert worst < tol, worst
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, base_manifest, pool):
+    """One process and two uninterrupted gloo ranks, same config: (single, double) manifests."""
+    inputs = {"base": base_manifest, "pool": pool[2]}
+    single = train.run(load_config("smoke", CFG), inputs, store=Store(tmp_path_factory.mktemp("one")))
+    double = train.run(load_config("smoke", CFG + ["train.nproc=2"]), inputs,
+                       store=Store(tmp_path_factory.mktemp("two")))
+    return single, double
+
+
+def test_two_ranks_equal_one_process(runs):
+    single, double = runs
+    assert double.key == single.key                 # placement is not in the key
+    assert "nproc" not in double.config["train"]
+    _assert_same_weights(double.path("weights"), single.path("weights"))
+    a, b = pl.read_parquet(single.path("metrics")), pl.read_parquet(double.path("metrics"))
+    assert b["update"].to_list() == [1, 2, 3, 4] and b["tokens"].to_list() == a["tokens"].to_list()
+    for col in ("loss", "k3_mismatch", "ess", "grad_norm", "entropy", "kl_ref_k3"):
+        want, got = a[col].to_list(), b[col].to_list()
+        assert [w is None for w in want] == [g is None for g in got], col
+        assert [g for g in got if g is not None] == pytest.approx([w for w in want if w is not None],
+                                                                  rel=1e-5, abs=1e-9), col
+    assert a["ess"].drop_nulls().len() == 2 and a["ref_refreshed"].to_list() == [False, True, False, True]
+
+
+def test_killed_rank_fails_without_manifest_then_resumes(tmp_path, monkeypatch, runs, base_manifest, pool):
+    """Rank 1 dies right after the checkpoint of update 2: the stage raises one line, no
+    manifest; the same call resumes from the DCP checkpoint to the uninterrupted result.
+    The same checkpoint also resumes in one process (DCP reshards)."""
+    inputs, store = {"base": base_manifest, "pool": pool[2]}, Store(tmp_path / "a")
+    cfg = load_config("smoke", CFG + ["train.nproc=2"])
+    folder = store.folder("train", dag.expected_key("train", cfg))
+    monkeypatch.setenv(distributed.KILL_ENV, "1:2")
+    with pytest.raises(TrainingError, match=r"torchrun \(2 x 1 ranks\) exited 1") as err:
+        train.run(cfg, inputs, store=store)
+    assert "\n" not in str(err.value)
+    assert not (folder / MANIFEST).exists()
+    assert checkpoint.load_meta(folder / "checkpoints")["update"] == 2
+    other = Store(tmp_path / "b").folder("train", dag.expected_key("train", cfg))
+    shutil.copytree(folder / "checkpoints", other / "checkpoints")
+    monkeypatch.delenv(distributed.KILL_ENV)
+    resumed = train.run(cfg, inputs, store=store)
+    _, double = runs
+    _assert_same_weights(resumed.path("weights"), double.path("weights"))
+    assert pl.read_parquet(resumed.path("metrics")).drop("seconds").equals(
+        pl.read_parquet(double.path("metrics")).drop("seconds"))
+    one = train.run(load_config("smoke", CFG), inputs, store=Store(tmp_path / "b"))
+    _assert_same_weights(one.path("weights"), double.path("weights"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.nproc=99", "train.device=cpu"], r"train.nproc=99 CPU ranks on \d+ cores"),
+    (["train.nnodes=2"], r"train.nnodes=2 needs train.rdzv_endpoint"),
+])
+def test_bad_placement_fails_before_work(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        preflight(load_config("smoke", overrides))
+
+
+def test_nproc_leaves_keys_alone():
+    a, b = load_config("smoke"), load_config("smoke", ["train.nproc=4", "train.nnodes=2",
+                                                       "train.rdzv_endpoint=node0:29500"])
+    assert dag.expected_key("train", a) == dag.expected_key("train", b)

@@ -1,0 +1,202 @@
+"""The online loop (spec 8.1-8.3): refill counts, the seeded loader, on-policy ratios at
+N = 1, staleness within a step, SIGKILL mid-round and resume, bad input."""
+import os
+import signal
+import subprocess
+import time
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline import dag
+from pipeline.config import ConfigError, load_config
+from pipeline.store import MANIFEST, Store
+from stages import online_pool
+from stages.online_pool import RefillError, collect_mixed, loader_positions
+from stages.train import checkpoint
+
+from conftest import BIN, REPO
+
+
+def table_draw(table: list[list[int]], per_draw: int):
+    """draw(d) over a hand-made reward table: prompt i's rewards are table[i]."""
+    return lambda d: [(i, table[i]) for i in range(d * per_draw, min((d + 1) * per_draw, len(table)))]
+
+
+def test_refill_counts_on_a_hand_made_reward_table():
+    solved, failed, mixed = [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 0, 0]
+    # prompt:  0       1      2      3       4      5      6      7      8      9
+    table = [solved, mixed, failed, mixed, solved, failed, failed, mixed, mixed, mixed]
+    got = collect_mixed(table_draw(table, 3), need=4, max_draws=10)
+    # draw 0: prompts 0-2 (1 mixed), draw 1: 3-5 (2), draw 2: 6-8 (4: enough, 8 is surplus)
+    assert (got.draws, got.prompts, got.responses, got.mixed) == (3, 9, 36, 4)
+    assert got.kept == [1, 3, 7, 8]
+    got = collect_mixed(table_draw(table, 4), need=4, max_draws=10)
+    assert (got.draws, got.prompts, got.responses, got.mixed, got.kept) == (3, 10, 40, 5, [1, 3, 7, 8])
+
+
+def test_refill_is_bounded_and_says_what_it_found():
+    table = [[1, 1, 1, 1]] * 20 + [[0, 1, 1, 1]]
+    with pytest.raises(RefillError, match=r"found 0 mixed-reward groups from 12 prompts \(48 responses, 3 draws\)"):
+        collect_mixed(table_draw(table, 4), need=2, max_draws=3)
+
+
+def test_loader_order_depends_only_on_seed_and_epoch():
+    first = loader_positions(0, 10, 10, seed=42)
+    assert sorted(first) == list(range(10))
+    assert loader_positions(7, 6, 10, seed=42)[:3] == first[7:]           # a cursor continues the epoch
+    second = loader_positions(10, 10, 10, seed=42)
+    assert sorted(second) == list(range(10)) and second != first           # reshuffled per epoch
+    assert loader_positions(0, 10, 10, seed=1234) != first
+
+
+def run_rounds(cfg, base, rounds: int, store=None):
+    """The online chain through dag.run, as the flow runs it; returns the train manifests."""
+    store, prev, out = store or Store(), None, []
+    for r in range(rounds):
+        c = cfg.updated({"online.round": r})
+        pool = dag.run("online_pool", c, {"policy": prev or base}, store)
+        prev = dag.run("online_train", c, {"base": base, "pool": pool} | ({"state": prev} if prev else {}), store)
+        assert (pool.key, prev.key) == (dag.expected_key("online_pool", c), dag.expected_key("online_train", c))
+        out.append(prev)
+    return out
+
+
+def metrics_of(manifests) -> pl.DataFrame:
+    return pl.concat([pl.read_parquet(m.path("metrics")) for m in manifests])
+
+
+def test_n1_with_an_fp32_sampler_is_on_policy(base_manifest):
+    """N = 1: every update is a step start, and the learner's log-probs equal the sampler's."""
+    cfg = load_config("smoke-online", {"train.updates_per_step": 1, "train.updates": 3, "train.method": "grpo_tis",
+                                       "rollout.dtype": "float32", "train.lr": 1e-4})
+    rows = metrics_of(run_rounds(cfg, base_manifest, 3))
+    assert rows["staleness"].to_list() == [0, 0, 0]
+    # token-mean |rho - 1| within 1e-5 at every step start; the largest single token stays
+    # within float32 rounding (behavior log-probs are stored as float32; the sampler's
+    # KV-cached forward and the trainer's full forward round differently)
+    assert rows["abs_log_ratio"].max() < 1e-5 and rows["k3_mismatch"].abs().max() < 1e-8, rows
+    assert rows["max_abs_log_ratio"].max() < 5e-5, rows.select("update", "max_abs_log_ratio")
+    assert rows["responses_generated"].to_list() == sorted(rows["responses_generated"].to_list())
+
+
+def test_bf16_sampler_shows_a_mismatch_at_n1(base_manifest):
+    cfg = load_config("smoke-online", {"train.updates_per_step": 1, "train.updates": 1, "rollout.dtype": "bfloat16"})
+    rows = metrics_of(run_rounds(cfg, base_manifest, 1))
+    assert rows["max_abs_log_ratio"][0] > 1e-3 and rows["k3_mismatch"][0] > 1e-6
+
+
+def test_the_jth_update_of_a_step_is_j_updates_stale(base_manifest):
+    """Update j of a round trains on responses sampled j updates ago: its behavior-learner
+    K3 is ~0 at j = 0 and grows with j (means over three rounds: each j sees other groups)."""
+    cfg = load_config("smoke-online", {"train.updates_per_step": 4, "train.groups_per_update": 6,
+                                       "train.updates": 12, "rollout.dtype": "float32", "train.lr": 3e-5})
+    rows = metrics_of(run_rounds(cfg, base_manifest, 3))
+    assert rows["staleness"].to_list() == [0, 1, 2, 3] * 3
+    k3 = rows.group_by("staleness").agg(pl.col("k3_mismatch").mean()).sort("staleness")["k3_mismatch"].to_list()
+    assert abs(k3[0]) < 1e-8 and k3[0] < k3[1] < k3[2] < k3[3], k3
+    pool = online_pool.run(cfg, {"policy": base_manifest})      # cache hit: the same round-0 pool
+    assert pool.cache_hit and pool.summary["groups_kept"] == 24
+    drawn = pl.read_parquet(pool.path("draws"))
+    assert drawn.height == pool.summary["prompts_drawn"] and drawn["kept"].sum() == 24
+    assert pool.summary["responses_generated"] == 8 * drawn.height
+
+
+KILL = ["train.updates_per_step=6", "train.updates=12", "train.method=grpo_tis", "train.checkpoint_every=1"]
+
+
+def test_sigkill_mid_round_then_rerun_equals_uninterrupted(tmp_path, base_manifest):
+    cfg = load_config("smoke-online", KILL)
+    (r0,) = run_rounds(cfg, base_manifest, 1)
+    c1 = cfg.updated({"online.round": 1})
+    online_pool.run(c1, {"policy": r0})
+    argv = [str(BIN / "ggpo"), "stage", "online_train", "--preset", "smoke-online", "--no-track",
+            "--set", "online.round=1"] + [x for item in KILL for x in ("--set", item)]
+    folder = Store().folder("online_train", dag.expected_key("online_train", c1))
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        path = folder / "checkpoints" / checkpoint.NAME
+        state = checkpoint.load(folder / "checkpoints") if path.exists() else None
+        if state and 7 <= state["update"] < 12:
+            proc.send_signal(signal.SIGKILL)
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.02)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert not (folder / MANIFEST).exists()
+    resumed = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming after update" in resumed.stderr
+    done = Store().load("online_train", dag.expected_key("online_train", c1))
+    straight = run_rounds(cfg, base_manifest, 2, Store(tmp_path / "straight"))[-1]
+    wa, wb = load_file(straight.path("weights")), load_file(done.path("weights"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert pl.read_parquet(done.path("metrics")).drop("seconds").equals(
+        pl.read_parquet(straight.path("metrics")).drop("seconds"))
+    assert not (folder / "checkpoints").exists()      # the round's end is model/ + state.pt
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"train.updates": 5}, r"train.updates \(5\) must be a multiple of train.updates_per_step \(2\)"),
+    ({"train.updates_per_step": 8, "train.updates": 8}, r"needs .* = 64 distinct mixed-reward groups but the task has 48"),
+    ({"online.max_draws": 1, "online.draw_prompts": 4}, r"online.max_draws x draw size = 4 prompts can never fill"),
+])
+def test_online_geometry_is_checked_before_any_work(overrides, message):
+    from flows.online import check_online
+    with pytest.raises(ConfigError, match=message):
+        check_online(load_config("smoke-online", overrides), "cell")
+
+
+def test_ggpo_stage_names_the_missing_round():
+    res = subprocess.run([str(BIN / "ggpo"), "stage", "online_train", "--preset", "smoke-online", "--no-track",
+                          "--set", "online.round=7", "--set", "seed=99"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env=os.environ)
+    assert res.returncode == 2
+    assert "online_pool --preset smoke-online --set online.round=7" in res.stderr
+    assert "online_train --preset smoke-online --set online.round=6" in res.stderr
+
+
+def test_report_tables_against_n_and_t_ref(tmp_path):
+    from pipeline import online_report
+    evals, curves = [], []
+    for method, t_ref in (("grpo", "fixed"), ("ggpo", "160")):
+        for n in (1, 4):
+            cell = f"{method} updates_per_step={n}"
+            for seed, noise in ((42, 0.0), (7, 0.02)):
+                final = 0.5 - 0.01 * n * (method == "grpo") + noise
+                evals += [{"method": method, "cell": cell, "N": n, "t_ref": t_ref, "seed": seed, "update": u,
+                           "accuracy": a} for u, a in ((0, 0.4), (4, 0.45), (8, final))]
+                curves += [{"method": method, "cell": cell, "N": n, "t_ref": t_ref, "seed": seed, "update": u,
+                            "k3_mismatch": 1e-4 * n, "ess": 1.0, "entropy": 0.2, "response_length": 15.0,
+                            "responses_generated": 256 * u} for u in range(1, 9)]
+    table, paths = online_report.write(pl.DataFrame(evals), pl.DataFrame(curves), tmp_path, "mean@8")
+    staleness = pl.read_csv(tmp_path / "staleness.csv")
+    grpo4 = staleness.filter((pl.col("method") == "grpo") & (pl.col("N") == 4)).row(0, named=True)
+    assert grpo4["mean"] == pytest.approx(0.47) and grpo4["std"] == pytest.approx(0.02 / 2 ** 0.5) and grpo4["seeds"] == 2
+    assert "| grpo | fixed | 50.00 ± 1.41 | 47.00 ± 1.41 |" in table
+    assert not (tmp_path / "refresh.csv").exists()      # t_ref differs only between methods: nothing to compare
+    diag = pl.read_csv(tmp_path / "diagnostics.csv")
+    assert diag.filter((pl.col("method") == "ggpo") & (pl.col("N") == 4))["k3_mismatch"][0] == pytest.approx(4e-4)
+    assert {p.name for p in paths} >= {"figure1.png", "figure2.png", "figure3_7.png", "final.csv", "report.md"}
+
+
+@pytest.mark.servers
+def test_flow_with_parallel_builds_equals_sequential_rounds(tmp_path, base_manifest):
+    """The online flow builds two cells' rounds concurrently (threads) while a bf16 sampler
+    is being loaded; each cell's weights equal a sequential run's, bit for bit."""
+    sets = ["rollout.dtype=bfloat16", "experiment.parallel=2", "train.updates=8", "train.eval_every=null"]
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "GGPO_HOME": str(tmp_path / "home")}
+    res = subprocess.run([str(BIN / "ggpo"), "run", "online", "--preset", "smoke-online"]
+                         + [x for s in sets for x in ("--set", s)], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    for method in ("grpo", "ggpo"):
+        cfg = load_config("smoke-online", sets + [f"train.method={method}"])
+        alone = run_rounds(cfg, base_manifest, 4, Store(tmp_path / method))[-1]
+        in_flow = Store().load("online_train", alone.key)
+        assert in_flow is not None and in_flow.files["weights"].sha256 == alone.files["weights"].sha256, method
