@@ -13,6 +13,7 @@ import importlib
 from pipeline.config import PipelineConfig
 from pipeline.stage import StageSpec, key_for, run_stage
 from pipeline.store import DamagedArtifact, Manifest, Store
+from pipeline.store import canonical_json as canonical
 
 STAGE_NAMES = ("base", "rollout", "verify", "filter", "train", "evaluate", "online_pool", "online_train")
 ONLINE = ("online_pool", "online_train")
@@ -68,7 +69,9 @@ def online_keys(config: PipelineConfig, round_: int) -> dict[str, str]:
     iteratively (a 1,000-round run must not recurse 2,000 deep). Keys do not depend on
     online.round itself, only on the inputs' keys."""
     cfg = config.updated({"online.round": 0})
-    chain = _chains.setdefault(cfg.model_dump_json(), [])
+    # what enters the chain's keys (evaluation settings do not): one walk per cell
+    chain = _chains.setdefault(canonical(cfg.slice(("seed", "model", "task", "rollout", "verify", "train",
+                                                    "online.draw_prompts"))), [])
     pool_spec, train_spec = spec("online_pool"), spec("online_train")
     base = expected_key("base", cfg)
     while len(chain) <= round_:

@@ -77,12 +77,25 @@ def pivot_table(evals: pl.DataFrame, field: str, title: str) -> tuple[str, pl.Da
     return "\n".join(lines) + "\n", agg
 
 
+def identity(frame: pl.DataFrame) -> list[str]:
+    """The columns that name a cell: method, cell, N, t_ref and the grid's other fields."""
+    return [c for c in frame.columns if c in KEYS or c.count(".")]
+
+
+def line_label(frame: pl.DataFrame) -> pl.Expr:
+    """What one line of an against-N figure is: the method and every other field of the
+    cell but N (t_ref, the grid's other values), so lines never average across cells."""
+    rest = [c for c in identity(frame) if c not in ("cell", "N")]
+    return pl.concat_str([pl.col(c).cast(pl.Utf8) for c in rest], separator=" ").alias("line")
+
+
 def diagnostics(curves: pl.DataFrame) -> pl.DataFrame:
     """Spec-9 diagnostics averaged over the last quarter of each run's updates (Figure 7)."""
     last = curves.filter(pl.col("update") > pl.col("update").max().over("cell") * 3 / 4)
-    return (last.group_by(["method", "cell", "N", "t_ref", "seed"], maintain_order=True)
+    ids = identity(curves)
+    return (last.group_by(ids + ["seed"], maintain_order=True)
             .agg(*[pl.col(d).drop_nulls().mean() for d in DIAGNOSTICS])
-            .group_by(["method", "cell", "N", "t_ref"], maintain_order=True).agg(*[pl.col(d).mean() for d in DIAGNOSTICS]))
+            .group_by(ids, maintain_order=True).agg(*[pl.col(d).mean() for d in DIAGNOSTICS]))
 
 
 def markdown_final(evals: pl.DataFrame, metric: str) -> str:
@@ -134,11 +147,12 @@ def figures(evals: pl.DataFrame, curves: pl.DataFrame, diag: pl.DataFrame, folde
     paths.append(_save(fig, folder / "figure2.png"))
     if diag["N"].n_unique() > 1:
         ns = sorted(diag["N"].unique().to_list())
-        agg = _agg(finals(evals), ["method", "t_ref", "N"])
+        agg = _agg(finals(evals).with_columns(line_label(evals)), ["line", "N"])
+        diag = diag.with_columns(line_label(diag))
         fig, axes = plt.subplots(1, 1 + len(DIAGNOSTICS), figsize=(20, 4))
         for ax, (frame, y) in zip(axes, [(agg, "mean")] + [(diag, d) for d in DIAGNOSTICS]):
-            for name in frame["method"].unique(maintain_order=True).to_list():
-                sub = frame.filter(pl.col("method") == name).group_by("N").agg(pl.col(y).mean()).sort("N")
+            for name in frame["line"].unique(maintain_order=True).to_list():
+                sub = frame.filter(pl.col("line") == name).sort("N")
                 ax.plot([ns.index(n) for n in sub["N"]], sub[y].to_list(), marker="o", label=name)
             ax.set(xticks=range(len(ns)), xticklabels=ns, xlabel="N", title="final accuracy" if y == "mean" else y)
         axes[0].legend(fontsize=6)
@@ -168,7 +182,8 @@ def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) 
             table[1].write_csv(folder / f"{name}.csv")
             paths.append(folder / f"{name}.csv")
     diag = diagnostics(curves)
-    parts.append(markdown_frame(diag.drop("cell"), "Diagnostics over the last quarter of updates (seed means)"))
+    parts.append(markdown_frame(diag.drop([c for c in diag.columns if c.count(".")] or []),
+                                "Diagnostics over the last quarter of updates (seed means)"))
     diag.write_csv(folder / "diagnostics.csv")
     curves.write_csv(folder / "curves.csv")
     paths += [folder / "diagnostics.csv", folder / "curves.csv"] + figures(evals, curves, diag, folder)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -92,7 +93,18 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+# One MLflow write at a time per process: a flow's tasks finish together on a rerun (all
+# cache hits), and 64 threads logging at once exhausted SQLAlchemy's connection pool on the
+# SQLite store (QueuePool limit reached, 30 s timeout: measured on the online ladder).
+_WRITE_LOCK = threading.RLock()
+
+
 def log_params_metrics(c, run_id: str, params: dict[str, str], metrics: list[tuple[str, float, int]]) -> None:
+    with _WRITE_LOCK:
+        _log_params_metrics(c, run_id, params, metrics)
+
+
+def _log_params_metrics(c, run_id: str, params: dict[str, str], metrics: list[tuple[str, float, int]]) -> None:
     from mlflow.entities import Metric, Param
     ts = int(time.time() * 1000)
     plist = [Param(k, v[:6000]) for k, v in params.items()]
@@ -124,6 +136,11 @@ def summary_metrics(summary: dict[str, Any]) -> list[tuple[str, float, int]]:
 
 def log_stage(manifest: Manifest, run_name: str, parent_run_id: str | None = None) -> str:
     """A (nested) run for one stage result: config, summary, files, training curves."""
+    with _WRITE_LOCK:
+        return _log_stage(manifest, run_name, parent_run_id)
+
+
+def _log_stage(manifest: Manifest, run_name: str, parent_run_id: str | None = None) -> str:
     c = client()
     tags = {"ggpo.stage": manifest.stage, "ggpo.key": manifest.key,
             "ggpo.cache_hit": str(manifest.cache_hit).lower(), "ggpo.folder": manifest.folder}

@@ -138,8 +138,10 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
             groups.append(((len(drawn) - 1, group), group["reward"]))
         return groups
 
-    refill = collect_mixed(draw, need, cfg.online.max_draws, f"online round {r} (seed {cfg.seed})")
-    getattr(engine, "close", lambda: None)()      # a vLLM engine hands its GPUs back to the trainer
+    try:
+        refill = collect_mixed(draw, need, cfg.online.max_draws, f"online round {r} (seed {cfg.seed})")
+    finally:
+        getattr(engine, "close", lambda: None)()      # a vLLM engine hands its GPUs back, even on failure
     table: dict[str, list] = {name: [] for name in TRAIN_POOL.names}
     for position, (index, group) in enumerate(refill.kept):
         drawn[index]["kept"] = True

@@ -3,8 +3,9 @@
 Inputs: `base` (pi_0: the initial policy and the reference until its first refresh),
 `pool` (this round's `online_pool`: N * G_mb mixed groups in collection order C) and, from
 round 1 on, `state` (the previous round's `online_train`: its final policy `model/` and
-`state.pt` with the optimizer, the reference once refreshed, the RNG states, the update
-index and the unfinished ESS block). Reads `seed`, `train`, `rollout`.
+`state.pt` with the optimizer, the reference once refreshed, the update
+index and the unfinished ESS block; no RNG: training draws no randomness). Reads `seed`,
+`train`, `rollout`.
 
     if needed (GRPO+TIS, clipped GGPO): lp_old <- trainer log-probs of C at the round start
     for j in 0..N-1:    update u = round * N + j on C[j*G_mb : (j+1)*G_mb]  (j updates stale)
@@ -20,7 +21,6 @@ survives a killed build, so a rerun resumes mid-round to bit-identical weights o
 from __future__ import annotations
 
 import os
-import random
 import shutil
 from pathlib import Path
 
@@ -44,6 +44,10 @@ def check(cfg: PipelineConfig, inputs: dict[str, Manifest]) -> tuple[int, int]:
     """(first update, stop) of this round; bad chains fail before any work."""
     pool, tc = inputs["pool"].summary, cfg.train
     start = inputs["state"].summary["updates"] if "state" in inputs else 0
+    sampler = inputs["state"].key if "state" in inputs else inputs["base"].key
+    if inputs["pool"].inputs.get("policy") != sampler:
+        raise TrainingError(f"online_train: the pool {inputs['pool'].key[:16]} was sampled by "
+                            f"{inputs['pool'].inputs.get('policy', '?')[:16]}, not by this round's policy {sampler[:16]}")
     if pool["start_update"] != start:
         raise TrainingError(f"online_train: the pool {inputs['pool'].key[:16]} was drawn after update "
                             f"{pool['start_update']} but the training state is at update {start}")
@@ -56,9 +60,11 @@ def check(cfg: PipelineConfig, inputs: dict[str, Manifest]) -> tuple[int, int]:
 def save_state(st: TrainState, folder: Path, refreshed: bool) -> None:
     """What the next round needs beyond `model/`, atomically (temp file, fsync, rename)."""
     tmp = folder / f".{STATE}.tmp-{os.getpid()}"
+    # no RNG state: training draws no randomness (every random choice of a round comes from a
+    # named stream, pipeline/seeding.py), and torch's global generator is shared by the
+    # flow's threads, so its state here would depend on what other cells did
     torch.save({"update": st.update, "optimizer": st.opt.state_dict(),
                 "reference": st.reference.state_dict() if refreshed else None,
-                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                 "block_s": st.block_s}, tmp)
     fsync_rename(tmp, folder / STATE)
 
@@ -75,8 +81,6 @@ def start_state(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, 
         st.opt.load_state_dict(saved["optimizer"])
         if saved["reference"] is not None:
             st.reference.load_state_dict(saved["reference"])
-        torch.set_rng_state(saved["torch_rng"])
-        random.setstate(saved["python_rng"])
         st.update, st.block_s = saved["update"], list(saved["block_s"])
     return resume(st, checkpoint.load(folder / "checkpoints"), folder / "checkpoints")
 
@@ -118,7 +122,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
 
 
 SPEC = StageSpec(name="online_train", version=1, reads=("seed", "train", "rollout"), build=build,
-                 keep_on_rebuild=("checkpoints",))
+                 keep_on_rebuild=("checkpoints", "snapshots"))   # a resume past a snapshot never rewrites it
 
 
 def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,

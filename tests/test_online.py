@@ -120,7 +120,7 @@ def test_sigkill_mid_round_then_rerun_equals_uninterrupted(tmp_path, base_manife
     while time.monotonic() < deadline:
         path = folder / "checkpoints" / checkpoint.NAME
         state = checkpoint.load(folder / "checkpoints") if path.exists() else None
-        if state and 7 <= state["update"] < 12:
+        if state and 9 <= state["update"] < 12:       # after the snapshot at update 9 (eval_every 3)
             proc.send_signal(signal.SIGKILL)
             break
         assert proc.poll() is None, proc.stdout.read()
