@@ -85,10 +85,15 @@ def check_online(cfg: PipelineConfig, where: str) -> None:
                           f"prompts can never fill a round of {need} groups")
 
 
+def cell_name(cell: Cell) -> str:
+    """The cell's MLflow run name, and the head of its round tasks' names ("<head>/pool-r3")."""
+    return f"{cell.slug}-seed{cell.seed}"
+
+
 def submit_cell(step: OnlineRunner, cell: Cell, round_: int, prev: PrefectFuture | None) -> PrefectFuture:
     """Round `round_` of a cell: its pool (sampled by `prev`, the previous round) and training."""
     c = cell.config.updated({"online.round": round_})
-    head = f"{cell.slug}-seed{cell.seed}"
+    head = cell_name(cell)
     policy = prev if prev is not None else step("base", c, {}, "base")
     pool = step("online_pool", c, {"policy": policy}, f"{head}/pool-r{round_}")
     inputs = {"base": step("base", c, {}, "base"), "pool": pool} | ({"state": prev} if prev is not None else {})
@@ -104,21 +109,17 @@ def submit_all(step: OnlineRunner, cells: list[Cell]) -> tuple[dict, list]:
         cb = cell.config.updated({"eval.target": "base"})
         evals.append(({"cell": cell, "update": 0}, step("evaluate", cb, {"model": step("base", cb, {}, "base")},
                                                          f"evaluate-base-seed{cell.seed}")))
-    points = {i: {r: [] for r in range(cell.config.train.updates // cell.config.train.updates_per_step)}
-              for i, cell in enumerate(cells)}
-    for i, cell in enumerate(cells):
-        for r, update, at in eval_points(cell.config.train):
-            points[i][r].append((update, at))
-    for r in range(max(len(p) for p in points.values())):
+    n_rounds = [cell.config.train.updates // cell.config.train.updates_per_step for cell in cells]
+    for r in range(max(n_rounds)):
         for i, cell in enumerate(cells):
-            if r >= len(points[i]):
+            if r >= n_rounds[i]:
                 continue
             fut = submit_cell(step, cell, r, rounds[i][-1] if rounds[i] else None)
             rounds[i].append(fut)
-            for update, at in points[i][r]:
+            for _, update, at in (p for p in eval_points(cell.config.train) if p[0] == r):
                 ce = cell.config.updated({"eval.target": "online_train", "online.round": r, "eval.update": update})
                 evals.append(({"cell": cell, "update": at},
-                              step("evaluate", ce, {"model": fut}, f"evaluate-{cell.slug}-seed{cell.seed}-u{at}")))
+                              step("evaluate", ce, {"model": fut}, f"evaluate-{cell_name(cell)}-u{at}")))
     return rounds, evals
 
 
@@ -127,7 +128,7 @@ def cell_runs(client, parent: str, cells: list[Cell]) -> dict[str, str]:
     out = {}
     exp = tracking.experiment_id(client)
     for cell in cells:
-        name = f"{cell.slug}-seed{cell.seed}"
+        name = cell_name(cell)
         run = client.create_run(exp, run_name=name, tags={"mlflow.parentRunId": parent, "ggpo.stage": "online",
                                                            "ggpo.method": cell.method, "ggpo.seed": str(cell.seed)})
         tracking.log_params_metrics(client, run.info.run_id, tracking.flatten(cell.config.model_dump(mode="json")), [])
@@ -144,7 +145,7 @@ def collect(cells: list[Cell], rounds: dict, evals: list, cfg: PipelineConfig, c
         cell, m = stub["cell"], future.result()
         records.append(online_report.columns(cell, cfg) | {"seed": cell.seed, "update": stub["update"],
                                                             "accuracy": m.summary[key]})
-        run = runs[f"{cell.slug}-seed{cell.seed}"]
+        run = runs[cell_name(cell)]
         tracking.log_params_metrics(client, run, {}, [(f"eval/{key}", m.summary[key], stub["update"])])
     for i, cell in enumerate(cells):
         manifests = [f.result() for f in rounds[i]]
@@ -155,7 +156,7 @@ def collect(cells: list[Cell], rounds: dict, evals: list, cfg: PipelineConfig, c
             path = Path(tmp) / "rounds.json"
             path.write_text(json.dumps([{"stage": m.stage, "key": m.key, "folder": m.folder, "summary": m.summary}
                                         for m in manifests], indent=1))
-            client.log_artifact(runs[f"{cell.slug}-seed{cell.seed}"], str(path))
+            client.log_artifact(runs[cell_name(cell)], str(path))
     return pl.DataFrame(records), pl.concat(curves, how="diagonal_relaxed")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 from pipeline.config import PipelineConfig
-from pipeline.stage import StageSpec, key_for, run_stage
+from pipeline.stage import StageSpec, content_key, key_for, run_stage
 from pipeline.store import DamagedArtifact, Manifest, Store
 from pipeline.store import canonical_json as canonical
 
@@ -68,16 +68,16 @@ def online_keys(config: PipelineConfig, round_: int) -> dict[str, str]:
     """{online_pool: key, online_train: key} of round `round_`, walking the chain from round 0
     iteratively (a 1,000-round run must not recurse 2,000 deep). Keys do not depend on
     online.round itself, only on the inputs' keys."""
-    cfg = config.updated({"online.round": 0})
-    # what enters the chain's keys (evaluation settings do not): one walk per cell
-    chain = _chains.setdefault(canonical(cfg.slice(("seed", "model", "task", "rollout", "verify", "train",
-                                                    "online.draw_prompts"))), [])
     pool_spec, train_spec = spec("online_pool"), spec("online_train")
-    base = expected_key("base", cfg)
+    # what enters the chain's keys, the task file's content included (evaluation settings and
+    # online.round do not): one walk per cell
+    chain = _chains.setdefault(canonical([config.slice(("seed", "model", "task", "rollout", "verify", "train",
+                                                        "online.draw_prompts")), content_key(pool_spec, config)]), [])
+    base = expected_key("base", config)
     while len(chain) <= round_:
         prev = chain[-1]["online_train"] if chain else None
-        pool = key_for(pool_spec, cfg, {"policy": prev or base})
-        train = key_for(train_spec, cfg, dict(sorted(({"base": base, "pool": pool} | (
+        pool = key_for(pool_spec, config, {"policy": prev or base})
+        train = key_for(train_spec, config, dict(sorted(({"base": base, "pool": pool} | (
             {"state": prev} if prev else {})).items())))
         chain.append({"online_pool": pool, "online_train": train})
     return chain[round_]

@@ -24,7 +24,7 @@ from typing import Any
 
 import polars as pl
 
-from pipeline import grid
+from pipeline import grid, tracking
 from pipeline.config import PipelineConfig
 from pipeline.report import cell as fmt_cell
 
@@ -195,7 +195,6 @@ def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) 
 def log(client, parent: str, evals: pl.DataFrame, curves: pl.DataFrame, cfg: PipelineConfig) -> dict:
     """The report as artifacts (`report/`) and final accuracies as metrics of the parent run."""
     evals = in_cell_order(evals)
-    from pipeline import tracking
     metric = f"mean@{cfg.eval.n_samples}"
     with tempfile.TemporaryDirectory() as tmp:
         table, paths = write(evals, curves, Path(tmp), metric)

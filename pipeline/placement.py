@@ -255,8 +255,9 @@ def _is_ray(runner) -> bool:
 
 def _check_fits(cfg, where: tuple[str, str]) -> None:
     import ray
+    from pipeline.dag import STAGE_NAMES
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    for stage in ("base", "rollout", "verify", "filter", "train", "evaluate"):
+    for stage in STAGE_NAMES:
         asked = stage_resources(stage, cfg)
         need = {"CPU": asked.get("num_cpus", 0), "GPU": asked.get("num_gpus", 0)}
         if not any(all(node.get(k, 0) >= v for k, v in need.items()) for node in nodes):

@@ -215,11 +215,8 @@ def log_round(trained: Manifest, pool: Manifest, run_id: str) -> None:
     """One online round into its cell's run, in one call: the round's per-update metrics
     (`train/...`, cumulative prompts drawn and responses generated included) and its
     pool's counts (`round/...`) at the round's first update, plus the two manifests' keys."""
-    import polars as pl
     c = client()
-    df = pl.read_parquet(trained.path("metrics"))
-    metrics = [(f"train/{n}", row[n], row["update"]) for row in df.iter_rows(named=True)
-               for n in df.columns if n != "update" and row[n] is not None]
+    metrics = training_curves(trained)
     first = trained.summary["first_update"] + 1
     metrics += [(f"round/{k}", v, first) for k, v, _ in summary_metrics(pool.summary)]
     metrics += [("round/stage_seconds_pool", pool.seconds, first), ("round/stage_seconds_train", trained.seconds, first),

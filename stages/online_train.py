@@ -34,8 +34,8 @@ from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store, fsync_rename
 from stages.base import model_path
 from stages.train import checkpoint
-from stages.train.loop import (TrainingError, TrainState, load_pool, new_state, resume, run_updates,
-                               save_policy)
+from stages.train.loop import (TrainingError, TrainState, load_pool, new_state, reference_refreshed, resume,
+                               run_updates, save_policy, snapshot_files)
 
 STATE = "state.pt"
 
@@ -98,8 +98,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
                 lambda u: list(range(len(pool.group_ids))), rt,
                 f"round {pool_m.summary['round']} {tc.method} seed {cfg.seed}", last_checkpoint=False)
     save_policy(st.model, tokenizer, folder / "model")
-    t_ref = tc.refresh_every()
-    save_state(st, folder, t_ref is not None and st.update >= t_ref)
+    save_state(st, folder, reference_refreshed(tc, st.update))
     # model/ and state.pt now hold the round's end: the mid-round checkpoint is a duplicate
     # (a crash from here on redoes the round, with the same result)
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
@@ -108,13 +107,12 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
                  "responses_generated": s["cumulative_responses"]} for r in st.rows]
     n = write_parquet({k: [r.get(k) for r in rows] for k in ONLINE_METRICS.names}, ONLINE_METRICS,
                       folder / "metrics.parquet")
-    snapshots = {f"snapshot_{u}": (f"snapshots/update_{u:05d}/model.safetensors", None)
-                 for u in tc.snapshot_updates() if first < u < stop}
+    snapshots = snapshot_files(u for u in tc.snapshot_updates() if first < u < stop)
     return Built(
         files={"metrics": ("metrics.parquet", n), "weights": ("model/model.safetensors", None),
                "state": (STATE, None)} | snapshots,
         summary={"method": tc.method, "seed": cfg.seed, "round": s["round"],
-                 "first_update": first, "updates": stop, "t_ref": t_ref or "fixed",
+                 "first_update": first, "updates": stop, "t_ref": tc.refresh_every() or "fixed",
                  "prompt_cursor": s["prompt_cursor"], "cumulative_prompts": s["cumulative_prompts"],
                  "cumulative_responses": s["cumulative_responses"], "final_reward": rows[-1]["reward"],
                  "final_loss": rows[-1]["loss"], "k3_mismatch_first": rows[0]["k3_mismatch"],

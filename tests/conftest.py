@@ -31,6 +31,27 @@ for var in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
     os.environ.pop(var, None)
 
 
+def sigkill_after_checkpoint(argv: list[str], ckpt_dir: Path, first: int, stop: int):
+    """Start `argv` (a `ggpo stage` command) and SIGKILL it as soon as `ckpt_dir` holds a
+    checkpoint of an update in [first, stop); returns the killed process."""
+    import signal
+    import subprocess
+    import time
+    from stages.train import checkpoint
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        state = checkpoint.load(ckpt_dir) if (ckpt_dir / checkpoint.NAME).exists() else None
+        if state and first <= state["update"] < stop:
+            proc.send_signal(signal.SIGKILL)
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.02)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    return proc
+
+
 @pytest.fixture(scope="session")
 def smoke_cfg():
     from pipeline.config import load_config

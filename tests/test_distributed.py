@@ -74,7 +74,7 @@ def test_killed_rank_fails_without_manifest_then_resumes(tmp_path, monkeypatch, 
         train.run(cfg, inputs, store=store)
     assert "\n" not in str(err.value)
     assert not (folder / MANIFEST).exists()
-    assert checkpoint.load_meta(folder / "checkpoints")["update"] == 2
+    assert checkpoint.load(folder / "checkpoints")["update"] == 2
     other = Store(tmp_path / "b").folder("train", dag.expected_key("train", cfg))
     shutil.copytree(folder / "checkpoints", other / "checkpoints")
     monkeypatch.delenv(distributed.KILL_ENV)

@@ -1,9 +1,7 @@
 """The online loop (spec 8.1-8.3): refill counts, the seeded loader, on-policy ratios at
 N = 1, staleness within a step, SIGKILL mid-round and resume, bad input."""
 import os
-import signal
 import subprocess
-import time
 
 import polars as pl
 import pytest
@@ -15,9 +13,8 @@ from pipeline.config import ConfigError, load_config
 from pipeline.store import MANIFEST, Store
 from stages import online_pool
 from stages.online_pool import RefillError, collect_mixed, loader_positions
-from stages.train import checkpoint
 
-from conftest import BIN, REPO
+from conftest import BIN, REPO, sigkill_after_checkpoint
 
 
 def table_draw(table: list[list[int]], per_draw: int):
@@ -115,18 +112,7 @@ def test_sigkill_mid_round_then_rerun_equals_uninterrupted(tmp_path, base_manife
     argv = [str(BIN / "ggpo"), "stage", "online_train", "--preset", "smoke-online", "--no-track",
             "--set", "online.round=1"] + [x for item in KILL for x in ("--set", item)]
     folder = Store().folder("online_train", dag.expected_key("online_train", c1))
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        path = folder / "checkpoints" / checkpoint.NAME
-        state = checkpoint.load(folder / "checkpoints") if path.exists() else None
-        if state and 9 <= state["update"] < 12:       # after the snapshot at update 9 (eval_every 3)
-            proc.send_signal(signal.SIGKILL)
-            break
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.02)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_after_checkpoint(argv, folder / "checkpoints", 9, 12)    # after the snapshot at 9 (eval_every 3)
     assert not (folder / MANIFEST).exists()
     resumed = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr

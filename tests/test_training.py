@@ -1,8 +1,6 @@
 """Training robustness: SIGKILL and resume, non-finite updates, bad pools and configs."""
 import os
-import signal
 import subprocess
-import time
 
 import polars as pl
 import pytest
@@ -15,7 +13,7 @@ from pipeline.store import MANIFEST, Store
 from stages import train
 from stages.train import checkpoint, loop
 
-from conftest import BIN, REPO
+from conftest import BIN, REPO, sigkill_after_checkpoint
 
 KILL_CFG = ["train.updates=12", "train.checkpoint_every=2", "train.method=grpo_tis", "train.updates_per_step=3"]
 
@@ -28,17 +26,7 @@ def test_sigkill_then_rerun_resumes_bit_exact(tmp_path, base_manifest, pool):
     for item in KILL_CFG:
         argv += ["--set", item]
     folder = Store().folder("train", dag.expected_key("train", cfg))
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        state = checkpoint.load(folder / "checkpoints") if (folder / "checkpoints" / checkpoint.NAME).exists() else None
-        if state and 2 <= state["update"] < 12:
-            proc.send_signal(signal.SIGKILL)
-            break
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.05)
-    proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    sigkill_after_checkpoint(argv, folder / "checkpoints", 2, 12)
     assert not (folder / MANIFEST).exists()
     resumed = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr

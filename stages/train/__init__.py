@@ -19,7 +19,7 @@ from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store
 from stages.base import model_path
 from stages.train import distributed
-from stages.train.loop import TrainingError, load_pool, train
+from stages.train.loop import TrainingError, load_pool, snapshot_files, train
 from stages.train.order import order_hash
 
 
@@ -46,8 +46,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         rows = train(cfg, pool, base_path, tokenizer, folder)
     n = write_parquet({k: [r.get(k) for r in rows] for k in TRAIN_METRICS.names}, TRAIN_METRICS, folder / "metrics.parquet")
     tc = cfg.train
-    snapshots = {f"snapshot_{u}": (f"snapshots/update_{u:05d}/model.safetensors", None)
-                 for u in tc.snapshot_updates()}
+    snapshots = snapshot_files(tc.snapshot_updates())
     return Built(
         files={"metrics": ("metrics.parquet", n), "weights": ("model/model.safetensors", None)} | snapshots,
         summary={"method": tc.method, "seed": cfg.seed,     # the model: files["weights"] (model_path)

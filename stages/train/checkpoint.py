@@ -102,11 +102,6 @@ def load(folder: Path) -> dict | None:
     return torch.load(where / META, weights_only=False, map_location="cpu") | {"dcp": str(where)}
 
 
-def load_meta(folder: Path) -> dict | None:
-    """What `load` gives (update, metrics, ...), for a reader that needs no weights."""
-    return load(folder)
-
-
 def restore(state: dict, *, model, optimizer, reference) -> tuple[int, list[dict]]:
     from stages.train.distributed import is_sharded
     if "dcp" in state:

@@ -42,7 +42,6 @@ import argparse
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -79,9 +78,6 @@ class Dist:
             out.append(list(items[start:end]))
             start = end
         return out
-
-    def shard(self, items: list) -> list:
-        return self.shards(items)[self.rank]
 
     def lockstep(self, chunks_by_rank: list[list[list[int]]]) -> list[tuple[list[int], bool]]:
         """This rank's micro-batches flagged real, padded with (filler, False) up to the
@@ -201,14 +197,20 @@ def save_sharded_policy(model, tokenizer, tmp: Path, final: Path) -> None:
     d.barrier()
 
 
+# row entries that are maxima over the update's tokens, not sums
+MAXIMA = ("max_abs_log_ratio",)
+
+
 def combine(parts: list[dict]) -> dict:
-    """Ranks' partial update rows -> one: numbers added in rank order, lists concatenated,
-    None where no rank had a value."""
+    """Ranks' partial update rows -> one: numbers added in rank order (MAXIMA: the largest),
+    lists concatenated, None where no rank had a value."""
     out: dict = {}
     for part in parts:
         for k, v in part.items():
             if isinstance(v, list):
                 out[k] = out.get(k, []) + v
+            elif v is not None and k in MAXIMA:
+                out[k] = max(out.get(k) or v, v)
             elif v is not None:
                 out[k] = (out.get(k) or 0) + v
             else:
@@ -231,14 +233,9 @@ def wanted(tc) -> bool:
     return tc.nproc > 1 or tc.nnodes > 1
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_argv(tc, rank_args: list[str]) -> list[str]:
     """The torchrun command for train.nproc / nnodes / rdzv_endpoint."""
+    from pipeline.services import free_port
     endpoint = tc.rdzv_endpoint if tc.nnodes > 1 else f"127.0.0.1:{free_port()}"
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tc.nproc),
             "--nnodes", str(tc.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
@@ -265,7 +262,7 @@ def launch(cfg, base_path: str, pool_path: Path, folder: Path) -> list[dict]:
         raise TrainingError(f"train: torchrun ({tc.nproc} x {tc.nnodes} ranks) exited {proc.returncode}"
                             f"{': ' + last if last else ''}; checkpoints kept in {folder / 'checkpoints'}, "
                             "rerun the same command to resume")
-    state = checkpoint.load_meta(folder / "checkpoints")
+    state = checkpoint.load(folder / "checkpoints")
     if state is None or state["update"] != tc.updates:
         raise TrainingError(f"train: torchrun exited 0 but {folder / 'checkpoints'} holds no final checkpoint")
     return state["metrics"]

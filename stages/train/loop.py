@@ -228,6 +228,12 @@ def snapshot_dir(folder: Path, update: int) -> Path:
     return folder / "snapshots" / f"update_{update:05d}"
 
 
+def snapshot_files(updates) -> dict[str, tuple[str, None]]:
+    """A training artifact's manifest entries for its snapshots after `updates`
+    (stages.base.model_path finds them by these names)."""
+    return {f"snapshot_{u}": (f"{snapshot_dir(Path('.'), u).as_posix()}/model.safetensors", None) for u in updates}
+
+
 def save_policy(model, tokenizer, final: Path) -> None:
     """An HF folder (weights, config, tokenizer), written to a temp name then renamed."""
     tmp = final.with_name(final.name + ".tmp")
@@ -277,11 +283,16 @@ def resume(st: TrainState, state: dict | None, where: Path) -> TrainState:
     return st
 
 
-def save_checkpoint(st: TrainState, folder: Path, tc: TrainConfig) -> None:
-    """The state after st.update updates, atomically. The reference is stored only once it
-    has been refreshed (before that it is pi_0, which every resume loads anyway)."""
+def reference_refreshed(tc: TrainConfig, update: int) -> bool:
+    """Has the reference been refreshed by `update`? Until then it is pi_0, which every
+    resume loads anyway, so checkpoints and round states store it only from then on."""
     t_ref = tc.refresh_every()
-    refreshed = t_ref is not None and st.update >= t_ref
+    return t_ref is not None and update >= t_ref
+
+
+def save_checkpoint(st: TrainState, folder: Path, tc: TrainConfig) -> None:
+    """The state after st.update updates, atomically (the reference once refreshed)."""
+    refreshed = reference_refreshed(tc, st.update)
     checkpoint.save(folder, update=st.update, model=st.model, optimizer=st.opt,
                     reference=st.reference if refreshed else None, metrics=st.rows,
                     lp_old=st.lp_old if tc.needs_step_anchor() else None, block_s=st.block_s)
@@ -325,6 +336,7 @@ def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, fold
     never skips one); a checkpoint every train.checkpoint_every updates and after the last
     (unless not last_checkpoint: the caller saves the end state itself)."""
     tc, pad_id, ckpt_dir = cfg.train, tokenizer.pad_token_id, folder / "checkpoints"
+    snapshots = set(tc.snapshot_updates())
     st.model.train()
     with Progress(desc, total=stop, unit="update", start=st.update) as bar:
         while st.update < stop:
@@ -333,7 +345,7 @@ def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, fold
                 st.lp_old = step_anchor(st.model, pool, step_groups_of(u), cfg, pad_id, rt)
             row = one_update(st, pool, groups_of(u), cfg, pad_id, rt, ckpt_dir)
             st.rows.append(row)
-            if u + 1 in tc.snapshot_updates() and u + 1 < stop:
+            if u + 1 in snapshots and u + 1 < stop:
                 save_policy(st.model, tokenizer, snapshot_dir(folder, u + 1))
             if (u + 1 < stop and (u + 1) % tc.checkpoint_every == 0) or (u + 1 == stop and last_checkpoint):
                 save_checkpoint(st, ckpt_dir, tc)
