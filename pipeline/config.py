@@ -110,7 +110,9 @@ class TrainConfig(Section):
     # packed longest first. None = micro_batch_groups groups per micro-batch
     micro_batch_tokens: int | None = Field(None, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"       # auto: cuda when available
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
+    # auto: bf16 autocast on cuda, fp32 on cpu; float64: exact arithmetic for checks (tests
+    # compare two training paths in it, where fp32 rounding through AdamW would blur them)
+    dtype: Literal["auto", "float32", "bfloat16", "float64"] = "auto"
     reference_device: Literal["same", "cpu"] = "same"     # "cpu" keeps the reference off the GPU
     gradient_checkpointing: bool = False                 # non-reentrant
     logprob_chunk_tokens: int = Field(1024, ge=1)         # LM-head chunk (tokens) for log-probs

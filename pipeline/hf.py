@@ -7,6 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from pipeline.runtime import cast_parameters
+
 hf_logging.disable_progress_bar()
 hf_logging.set_verbosity_error()
 
@@ -35,7 +37,5 @@ def load_model(path: str, dtype=torch.float32):
     training never takes it. The cast gives the same weights and logits as loading in bf16."""
     with _LOAD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if dtype != torch.float32:
-        for param in model.parameters():
-            param.data = param.data.to(dtype)
-    return model
+    return cast_parameters(model, dtype)
+

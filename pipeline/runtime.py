@@ -1,10 +1,12 @@
 """Where and in what precision the trainer runs: prepared once, handed to the loop.
 
 `make_runtime(train_cfg)` resolves `train.device` (auto: CUDA when available, else CPU)
-and `train.dtype` (auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU).
+and `train.dtype` (auto: bf16 autocast over fp32 master weights on CUDA, fp32 on CPU;
+float64: exact arithmetic, for checks that compare two training paths without rounding).
 The policy keeps fp32 weights and optimizer state (AdamW in mixed precision); only its
-forward runs under autocast. The reference is frozen and never trained, so under bf16 it
-is stored in bf16 (half the memory) on the training device, or on the CPU with
+forward runs under autocast. The reference is frozen and never trained, so under bf16 its
+parameters are stored in bf16 (half the memory; buffers such as the rotary frequencies
+stay fp32, hf.cast_parameters) on the training device, or on the CPU with
 `train.reference_device=cpu`. Gradient checkpointing is transformers' non-reentrant one.
 The loop never asks `torch.cuda` itself: everything device-specific lives here.
 """
@@ -20,14 +22,28 @@ import torch
 from pipeline.config import ConfigError, TrainConfig
 
 
+def cast_parameters(model, dtype: torch.dtype, device: torch.device | None = None):
+    """Parameters in `dtype` (and on `device`); buffers keep their dtype. `Module.to(dtype)`
+    would also cast the rotary `inv_freq` buffer, and in bf16 the RoPE angles drift by
+    radians past position ~1,000 (a bf16 reference's log-probs then differ from the
+    policy's at long responses for no reason but the cast)."""
+    if device is not None:
+        model = model.to(device)
+    for param in model.parameters():
+        if param.dtype != dtype:
+            param.data = param.data.to(dtype)
+    return model
+
+
 @dataclass(frozen=True)
 class Runtime:
     device: torch.device
-    autocast_dtype: torch.dtype | None      # None: plain fp32
+    autocast_dtype: torch.dtype | None      # None: plain param_dtype
     reference_device: torch.device
     gradient_checkpointing: bool
     chunk_tokens: int                       # LM-head chunk for log-probs (tokens)
     logprob_impl: str                       # "chunked" | "full"
+    param_dtype: torch.dtype = torch.float32  # master weights; float64 only for exact checks
 
     def autocast(self):
         """The forward's precision context (fp32 master weights stay fp32)."""
@@ -37,16 +53,19 @@ class Runtime:
 
     def prepare(self, model):
         """The trained policy: fp32 weights on the device, checkpointing as configured."""
-        model = model.to(device=self.device, dtype=torch.float32)
+        model = model.to(device=self.device, dtype=self.param_dtype)
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
         return model
 
     def prepare_reference(self, model):
-        """The frozen reference: bf16 when training runs in bf16, on `reference_device`."""
-        dtype = self.autocast_dtype or torch.float32
-        model = model.to(device=self.reference_device, dtype=dtype)
+        """The frozen reference: bf16 parameters when training runs in bf16 (buffers keep
+        their dtype), on `reference_device`."""
+        if self.param_dtype == torch.float64:
+            model = model.to(device=self.reference_device, dtype=torch.float64)
+        else:
+            model = cast_parameters(model, self.autocast_dtype or torch.float32, self.reference_device)
         model.requires_grad_(False)
         return model.eval()
 
@@ -65,11 +84,12 @@ def resolve_device(name: str, setting: str = "train.device") -> torch.device:
 def make_runtime(tc: TrainConfig) -> Runtime:
     device = resolve_device(tc.device)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else None,
-             "float32": None, "bfloat16": torch.bfloat16}[tc.dtype]
+             "float32": None, "float64": None, "bfloat16": torch.bfloat16}[tc.dtype]
     ref_device = torch.device("cpu") if tc.reference_device == "cpu" else device
     return Runtime(device=device, autocast_dtype=dtype, reference_device=ref_device,
                    gradient_checkpointing=tc.gradient_checkpointing,
-                   chunk_tokens=tc.logprob_chunk_tokens, logprob_impl=tc.logprob_impl)
+                   chunk_tokens=tc.logprob_chunk_tokens, logprob_impl=tc.logprob_impl,
+                   param_dtype=torch.float64 if tc.dtype == "float64" else torch.float32)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

@@ -74,6 +74,23 @@ def pool(smoke_cfg, base_manifest):
     return roll, ver, filt.run(smoke_cfg, {"rollout": roll, "verify": ver})
 
 
+@pytest.fixture(scope="session")
+def logit_scale(base_manifest, pool):
+    """(largest |logit| of the tiny model on the smoke pool's sequences, its hidden size):
+    the scale and terms of its log-probs' rounding tolerance (tests/tolerance.py)."""
+    import polars as pl
+    import torch
+    from pipeline.hf import load_model
+    from stages.base import model_path
+    from stages.train.policy import make_batch
+    model = load_model(model_path(base_manifest)).eval()
+    rows = pl.read_parquet(pool[2].path("train_pool"), columns=["prompt_token_ids", "response_token_ids"])
+    batch = make_batch(rows["prompt_token_ids"].to_list(), rows["response_token_ids"].to_list(), 0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return float(logits.abs().max()), model.config.hidden_size
+
+
 @pytest.fixture
 def store(tmp_path):
     from pipeline.store import Store

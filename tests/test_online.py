@@ -15,6 +15,7 @@ from stages import online_pool
 from stages.online_pool import RefillError, collect_mixed, loader_positions
 
 from conftest import BIN, REPO, sigkill_after_checkpoint
+from tolerance import rounding_tol
 
 
 def table_draw(table: list[list[int]], per_draw: int):
@@ -65,17 +66,20 @@ def metrics_of(manifests) -> pl.DataFrame:
     return pl.concat([pl.read_parquet(m.path("metrics")) for m in manifests])
 
 
-def test_n1_with_an_fp32_sampler_is_on_policy(base_manifest):
-    """N = 1: every update is a step start, and the learner's log-probs equal the sampler's."""
+def test_n1_with_an_fp32_sampler_is_on_policy(base_manifest, logit_scale):
+    """N = 1: every update is a step start, and the learner's log-probs equal the sampler's
+    within fp32 rounding: the sampler's KV-cached forward and the trainer's full forward are
+    two fp32 computations of the same log-prob (tests/tolerance.py; scale: the model's
+    largest logit, terms: its hidden size)."""
     cfg = load_config("smoke-online", {"train.updates_per_step": 1, "train.updates": 3, "train.method": "grpo_tis",
                                        "rollout.dtype": "float32", "train.lr": 1e-4})
     rows = metrics_of(run_rounds(cfg, base_manifest, 3))
     assert rows["staleness"].to_list() == [0, 0, 0]
-    # token-mean |rho - 1| within 1e-5 at every step start; the largest single token stays
-    # within float32 rounding (behavior log-probs are stored as float32; the sampler's
-    # KV-cached forward and the trainer's full forward round differently)
-    assert rows["abs_log_ratio"].max() < 1e-5 and rows["k3_mismatch"].abs().max() < 1e-8, rows
-    assert rows["max_abs_log_ratio"].max() < 5e-5, rows.select("update", "max_abs_log_ratio")
+    tol = 2 * rounding_tol(torch.float32, *logit_scale)
+    print(f"\nmax |log rho| {rows['max_abs_log_ratio'].max():.2e}, token mean {rows['abs_log_ratio'].max():.2e}, "
+          f"K3 {rows['k3_mismatch'].max():.2e}; tolerance {tol:.2e}")
+    assert rows["max_abs_log_ratio"].max() <= tol, rows.select("update", "max_abs_log_ratio")
+    assert rows["abs_log_ratio"].max() <= tol and rows["k3_mismatch"].max() <= tol ** 2 / 2, rows
     assert rows["responses_generated"].to_list() == sorted(rows["responses_generated"].to_list())
 
 
@@ -85,7 +89,7 @@ def test_bf16_sampler_shows_a_mismatch_at_n1(base_manifest):
     assert rows["max_abs_log_ratio"][0] > 1e-3 and rows["k3_mismatch"][0] > 1e-6
 
 
-def test_the_jth_update_of_a_step_is_j_updates_stale(base_manifest):
+def test_the_jth_update_of_a_step_is_j_updates_stale(base_manifest, logit_scale):
     """Update j of a round trains on responses sampled j updates ago: its behavior-learner
     K3 is ~0 at j = 0 and grows with j (means over three rounds: each j sees other groups)."""
     cfg = load_config("smoke-online", {"train.updates_per_step": 4, "train.groups_per_update": 6,
@@ -93,7 +97,7 @@ def test_the_jth_update_of_a_step_is_j_updates_stale(base_manifest):
     rows = metrics_of(run_rounds(cfg, base_manifest, 3))
     assert rows["staleness"].to_list() == [0, 1, 2, 3] * 3
     k3 = rows.group_by("staleness").agg(pl.col("k3_mismatch").mean()).sort("staleness")["k3_mismatch"].to_list()
-    assert abs(k3[0]) < 1e-8 and k3[0] < k3[1] < k3[2] < k3[3], k3
+    assert k3[0] <= (2 * rounding_tol(torch.float32, *logit_scale)) ** 2 / 2 and k3[0] < k3[1] < k3[2] < k3[3], k3
     pool = online_pool.run(cfg, {"policy": base_manifest})      # cache hit: the same round-0 pool
     assert pool.cache_hit and pool.summary["groups_kept"] == 24
     drawn = pl.read_parquet(pool.path("draws"))

@@ -23,7 +23,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -228,10 +227,8 @@ def test_s3_artifact_without_manifest_is_never_read(tmp_path, monkeypatch, s3_en
 
 def test_unreachable_endpoint_is_one_line(monkeypatch, s3_env):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")    # nobody listens
-    start = time.perf_counter()
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(StoreError) as err:      # the store's own connect timeout ends it
         check_store(f"s3://{BUCKET}/x")
-    assert time.perf_counter() - start < 30
     line = str(err.value)
     assert "\n" not in line and line.startswith(f"GGPO_CACHE=s3://{BUCKET}/x: the store does not answer")
 

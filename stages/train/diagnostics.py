@@ -41,7 +41,9 @@ def within_success_ess(rt: torch.Tensor, rewards: torch.Tensor, beta: float) -> 
 
 @torch.no_grad()
 def micro_batch_stats(inp: LossInputs, beta: float) -> dict:
-    lp, lp_beh, mask = inp.lp.detach(), inp.lp_beh, inp.mask
+    # in float64: rho - 1 - log rho of a near-1 ratio cancels to fp32 noise (~1e-7 a token)
+    # in fp32, which would hide a mismatch as small as an engine's KV-cache rounding
+    lp, lp_beh, mask = inp.lp.detach().double(), inp.lp_beh.double(), inp.mask.double()
     log_rho = torch.clamp(lp - lp_beh, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)   # the losses' guard
     k3 = torch.exp(log_rho) - 1.0 - log_rho
     detached = LossInputs(lp=lp, lp_beh=lp_beh, lp_ref=inp.lp_ref, mask=mask, rewards=inp.rewards,

@@ -104,8 +104,8 @@ def _guard_behavior_logprobs(df: pl.DataFrame, path: Path) -> pl.DataFrame:
         pl.when(pl.element() == float("-inf")).then(LP_BEH_FLOOR).otherwise(pl.element())))
 
 
-def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width)
+def _pad(rows: list[list[float]], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    out = torch.zeros(len(rows), width, dtype=dtype)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r)
     return out
@@ -174,7 +174,7 @@ def micro_batch_loss(model, reference, pool: Pool, groups: list[int], tc: TrainC
     shape = (len(groups), m, batch.mask.shape[1])
 
     def padded(rows: list[list[float]]) -> torch.Tensor:
-        return _pad(rows, shape[2]).view(shape).to(rt.device)
+        return _pad(rows, shape[2], lp.dtype).view(shape).to(rt.device)
     inputs = LossInputs(lp=lp.view(shape), lp_beh=padded([x for g in groups for x in pool.lp_beh[g]]),
                         lp_ref=lp_ref.view(shape), mask=batch.mask.view(shape).to(rt.device),
                         rewards=pool.rewards[groups].float().to(rt.device),

@@ -75,7 +75,8 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
 def _full_logprobs(model, batch: Batch, temperature: float, with_entropy: bool):
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     cols = batch.gather_cols[:, :, None].expand(-1, -1, logits.shape[-1])
-    logp = torch.log_softmax(logits.gather(1, cols).float() / temperature, dim=-1)  # [B, T, V]
+    picked = logits.gather(1, cols)
+    logp = torch.log_softmax(picked.to(torch.promote_types(picked.dtype, torch.float32)) / temperature, dim=-1)  # [B, T, V]
     lp = logp.gather(2, batch.targets[:, :, None]).squeeze(2) * batch.mask
     entropy = None
     if with_entropy:
