@@ -76,7 +76,11 @@ class RolloutConfig(Section):
 
 
 class VerifyConfig(Section):
+    """Grading limits are CPU seconds per response, so a verdict does not depend on load
+    (pipeline/grading.py). A response over `timeout_s` is graded once more, in fresh
+    workers, with `retry_timeout_s` (None: 5 x timeout_s) before `timeout` is final."""
     timeout_s: float = Field(2.0, gt=0)   # per response
+    retry_timeout_s: float | None = Field(None, gt=0)
     workers: int = Field(0, ge=0)         # 0 = one per core
 
 

@@ -5,8 +5,21 @@ Status codes: `ok` (parsed and compared; reward 1 or 0), `no_answer` (no `\\boxe
 Only `ok` can earn reward 1. math-verify's own signal timeouts are disabled and replaced
 by one interval timer around parse+verify, so the limit is a float and covers both.
 
-`grade_many(responses, answers, timeout_s, workers=0, chunk=None, progress=None)` grades
-a batch and returns (reward, status, seconds) per response, in order:
+The limit is on CPU time, not wall time. A grade is a pure function of (response,
+answers); what it costs in CPU seconds does not depend on how busy the machine is, what
+it costs in wall seconds does (a 1.7 s grade took 2.0 s on a loaded machine and became
+`timeout`, so one pool of a seed differed from another). The timer counts the process's
+CPU time (ITIMER_PROF; a grading worker is single-threaded) and `seconds` is CPU seconds.
+Wall time stays only as a safety net against a worker that stops progressing (STUCK_WALL).
+Each grade starts from an empty sympy cache, so its cost does not depend on what the
+worker graded before either. A response that times out is graded once more, in fresh
+worker processes, with the longer
+limit `retry_timeout_s` (default RETRY_FACTOR x timeout_s), before `timeout` is final;
+`summary(results)` counts the retries and the final timeouts.
+
+`grade_many(responses, answers, timeout_s, workers=0, chunk=None, progress=None,
+retry_timeout_s=None)` grades a batch and returns Graded(reward, status, seconds, retried)
+per response, in order:
 - `workers == 1` on the main thread: graded in-process (the timer is a signal, which only
   a main thread receives). Otherwise in the process-wide worker pool.
 - The pool is one per process, started lazily on first use (spawn context; each worker
@@ -19,11 +32,13 @@ a batch and returns (reward, status, seconds) per response, in order:
   batches use every worker too. Workers report each response as it finishes, so `progress(k)` is
   called (in the calling thread) with the number of newly finished responses, and
   results already graded are never lost.
-- A worker is stuck when one response runs past `timeout_s + STUCK_GRACE_S` (its timer
-  could not fire: a long call in C, a stopped process) or when the pool sends nothing for
-  that long with work waiting. The pool is then killed and rebuilt; the stuck response is
-  `timeout`, everything not yet graded is graded by the new pool. A response whose worker
-  died under it twice is `timeout` too.
+- A worker is stuck when one response runs past `stuck_wall(timeout_s)` wall seconds (its
+  CPU timer could not fire: a long call in C, a stopped process; the margin lets a loaded
+  machine's slow but progressing workers finish) or when the pool sends nothing for that
+  long with work waiting. The pool is then killed and rebuilt; the stuck response is
+  `timeout` (and retried), everything not yet graded is graded by the new pool. A response
+  whose worker died under it twice is `timeout` too.
+- Workers exit when their parent process is gone (a killed flow leaves no graders behind).
 """
 from __future__ import annotations
 
@@ -38,22 +53,50 @@ import threading
 import time
 from collections import Counter
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, NamedTuple
 
 STATUSES = ("ok", "no_answer", "parse_error", "timeout")
-STUCK_GRACE_S = 2.0     # past its limit, a response is stuck: the timer repeats every 20 ms
+STUCK_GRACE_S = 2.0     # added to the wall-clock safety net (the timer repeats every 20 ms of CPU)
+STUCK_WALL_FACTOR = 4   # a response is stuck after this many times its CPU limit in wall time
+RETRY_FACTOR = 5.0      # default retry limit: this many times the first limit
 STARTUP_S = 180.0       # a pool with no worker ready after this long is an error
 _TICK_S = 0.25          # how often waiting callers check the pool's health
 
 log = logging.getLogger("ggpo")
-Result = tuple[float, str, float]
+
+
+class Graded(NamedTuple):
+    reward: float
+    status: str
+    seconds: float          # CPU seconds of the grade that counted
+    retried: bool = False   # timed out once and was graded again with the retry limit
+
+
+
+def stuck_wall(timeout_s: float) -> float:
+    """Wall seconds after which a response counts as stuck (the safety net, not the verdict)."""
+    return STUCK_WALL_FACTOR * timeout_s + STUCK_GRACE_S
+
+
+def summary(results: list) -> dict[str, float]:
+    """Counts for a stage's summary: responses per status (final), retried responses and
+    final timeouts, and the CPU seconds spent grading."""
+    statuses = Counter(r[1] for r in results)
+    return {**{f"status_{s}": statuses.get(s, 0) for s in STATUSES},
+            "grading_retries": sum(1 for r in results if len(r) > 3 and r[3]),
+            "grading_timeouts": statuses.get("timeout", 0),
+            "grading_seconds": sum(r[2] for r in results)}
 
 
 class _Timeout(Exception):
     pass
 
 
+_FIRED = [False]     # did the limit's timer fire during the current grade (this process)
+
+
 def _alarm(signum, frame):
+    _FIRED[0] = True
     raise _Timeout()
 
 
@@ -77,16 +120,26 @@ def _grade_untimed(response: str, answers: tuple[str, ...]) -> tuple[float, str]
     return 0.0, "ok"
 
 
-def grade(response: str, answers: tuple[str, ...], timeout_s: float) -> Result:
-    """(reward, status, seconds) for one response. Must run in a main thread.
+def grade(response: str, answers: tuple[str, ...], timeout_s: float) -> Graded:
+    """(reward, status, CPU seconds) for one response. Must run in a main thread.
 
-    math-verify catches exceptions internally (also our timer's), so the timer repeats
-    every 20 ms after the limit until one lands outside its handlers, and the elapsed
-    time decides: a result that arrives after the limit is still a timeout."""
+    The limit is CPU time (ITIMER_PROF, SIGPROF): the same response gets the same verdict on
+    a quiet and on a loaded machine. math-verify catches exceptions internally (also our
+    timer's), so the timer repeats every 20 ms of CPU after the limit until one lands
+    outside its handlers; a result that arrives after the timer fired (math-verify may catch
+    it and answer anyway) or after the limit is still a timeout. The timer's accounting is
+    tick-based and process_time's exact, so either one past the limit decides."""
+    from sympy.core.cache import clear_cache
     logging.getLogger("math_verify").setLevel(logging.ERROR)
-    start = time.perf_counter()
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s, 0.02)
+    # sympy memoizes sub-results: a worker that graded similar answers before would grade
+    # this one faster, and a verdict near the limit would depend on the worker's history.
+    # An empty cache per response makes the cost a function of the response (measured: no
+    # slower on ordinary answers, 450 of them in 0.35 s vs 0.40 s)
+    clear_cache()
+    _FIRED[0] = False
+    start = time.process_time()
+    previous = signal.signal(signal.SIGPROF, _alarm)
+    signal.setitimer(signal.ITIMER_PROF, timeout_s, 0.02)
     try:
         reward, status = _grade_untimed(response, answers)
     except _Timeout:
@@ -94,18 +147,38 @@ def grade(response: str, answers: tuple[str, ...], timeout_s: float) -> Result:
     except Exception:  # math-verify raising on odd LaTeX is a parse failure, not a crash
         reward, status = 0.0, "parse_error"
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    seconds = time.perf_counter() - start
-    if seconds > timeout_s:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
+    seconds = time.process_time() - start
+    if seconds > timeout_s or _FIRED[0]:
         reward, status = 0.0, "timeout"
-    return reward, status, seconds
+    return Graded(reward, status, seconds)
 
 
 def warm_up() -> None:
     """Import and exercise math-verify once, so its ~1 s import never counts as a timeout."""
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     _grade_untimed("\\boxed{1}", ("1",))
+
+
+def exit_with_parent() -> None:
+    """In a worker process: exit as soon as the process that started it is gone (killed by
+    SIGKILL, say), so no grader outlives the run it served. A watcher thread, not
+    PR_SET_PDEATHSIG, which fires when the creating *thread* ends (flows start pools from
+    task threads)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+    threading.Thread(target=watch, daemon=True, name="ggpo-grader-parent-watch").start()
+
+
+def _worker_init() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    exit_with_parent()
+    warm_up()
 
 
 def default_workers() -> int:
@@ -123,8 +196,7 @@ def _worker_main(tasks, results) -> None:
     Sent directly, not through a queue's feeder thread, which cost ~40% of the rate on a
     busy machine; each message is far below PIPE_BUF, so concurrent writes never interleave
     (one write() each) and no lock is needed that a killed worker could leave held."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
-    warm_up()
+    _worker_init()
     pid = os.getpid()
     results.send(("ready", pid))
     while True:
@@ -155,16 +227,16 @@ class _Call:
 
     def __init__(self, items: list, timeout_s: float, chunk: int):
         self.id, self.items, self.timeout_s, self.chunk = next(_IDS), items, timeout_s, chunk
-        self.results: list[Result | None] = [None] * len(items)
+        self.results: list[Graded | None] = [None] * len(items)
         self.remaining = len(items)
         self.crashes: Counter = Counter()    # idx -> times its worker died under it
         self.fruitless_restarts = 0
         self.error: str | None = None
         self.wake = threading.Event()
 
-    def deliver(self, idx: int, result: Result) -> None:
+    def deliver(self, idx: int, result: Graded) -> None:
         if self.results[idx] is None:        # the first result wins (a regrade may race)
-            self.results[idx] = tuple(result)
+            self.results[idx] = Graded(*result)
             self.remaining -= 1
             self.wake.set()
 
@@ -216,7 +288,7 @@ class _Pool:
             self.ready.add(pid)
             return
         call = _CALLS.get(msg[2])
-        limit = (call.timeout_s if call else 60.0) + STUCK_GRACE_S
+        limit = stuck_wall(call.timeout_s if call else 60.0)
         if kind == "start":
             self.inflight[pid] = (msg[2], msg[3], now, limit)
             return
@@ -318,7 +390,7 @@ def _watch() -> None:
         return
     stuck = {pid for pid, (_, _, since, limit) in pool.inflight.items() if now - since > limit}
     silent_for = now - pool.last_message
-    stalled = silent_for > max(c.timeout_s for c in _CALLS.values()) + STUCK_GRACE_S
+    stalled = silent_for > stuck_wall(max(c.timeout_s for c in _CALLS.values()))
     if not (dead or stuck or stalled):
         return
     reason = (f"{len(stuck)} worker(s) stuck past the time limit" if stuck else
@@ -337,7 +409,7 @@ def _restart(pool: _Pool, stuck: set[int], dead: set[int], now: float, reason: s
         if pid in dead:
             call.crashes[idx] += 1           # a second death under the same response convicts it
         if pid in stuck or call.crashes[idx] >= 2:
-            call.deliver(idx, (0.0, "timeout", now - since))
+            call.deliver(idx, Graded(0.0, "timeout", now - since))
             blamed += 1
     left = sum(c.remaining for c in _CALLS.values())
     log.warning("grading: %s; replacing the %d-worker pool (%d response(s) marked timeout, %d left to grade)",
@@ -370,10 +442,13 @@ def _fail_all(message: str) -> None:
 
 def grade_many(responses: list[str], answers: list[tuple[str, ...]], timeout_s: float,
                workers: int = 0, chunk: int | None = None,
-               progress: Callable[[int], None] | None = None) -> list[Result]:
-    """(reward, status, seconds) per response, in order; see the module docstring.
-    `workers`: 0 = all cores; `chunk`: responses per task (default: 4 tasks per worker);
-    `progress(k)`: called in this thread with the number of newly finished responses."""
+               progress: Callable[[int], None] | None = None,
+               retry_timeout_s: float | None = None) -> list[Graded]:
+    """Graded(reward, status, seconds, retried) per response, in order; see the module
+    docstring. `workers`: 0 = all cores; `chunk`: responses per task (default: 4 tasks per
+    worker); `progress(k)`: called in this thread with the number of newly finished
+    responses; `retry_timeout_s`: the CPU limit of the one retry of a timed-out response
+    (default RETRY_FACTOR x timeout_s)."""
     if len(responses) != len(answers):
         raise ValueError(f"grade_many: {len(responses)} responses but {len(answers)} answer tuples")
     items = [(r, tuple(a)) for r, a in zip(responses, answers)]
@@ -381,11 +456,35 @@ def grade_many(responses: list[str], answers: list[tuple[str, ...]], timeout_s: 
         return []
     workers = workers or default_workers()
     if workers == 1 and threading.current_thread() is threading.main_thread():
-        return _grade_here(items, timeout_s, progress)
-    return _grade_pooled(items, timeout_s, workers, chunk, progress)
+        results = _grade_here(items, timeout_s, progress)
+    else:
+        results = _grade_pooled(items, timeout_s, workers, chunk, progress)
+    return _retry_timeouts(items, results, retry_timeout_s or RETRY_FACTOR * timeout_s, workers)
 
 
-def _grade_here(items: list, timeout_s: float, progress) -> list[Result]:
+def _retry_timeouts(items: list, results: list, retry_timeout_s: float, workers: int) -> list[Graded]:
+    """Grade every timed-out response once more, in fresh worker processes (a spawned pool
+    of its own, so a worn or replaced pool cannot decide it twice), with the longer limit."""
+    todo = [i for i, r in enumerate(results) if r[1] == "timeout"]
+    results = [Graded(*r) for r in results]
+    if not todo:
+        return results
+    log.info("grading: %d response(s) timed out; grading them again with a %.1f s CPU limit",
+             len(todo), retry_timeout_s)
+    size = min(workers, len(todo))
+    with mp.get_context("spawn").Pool(size, initializer=_worker_init) as pool:
+        pending = [pool.apply_async(grade, (*items[i], retry_timeout_s)) for i in todo]
+        deadline = time.monotonic() + STARTUP_S + stuck_wall(retry_timeout_s) * math.ceil(len(todo) / size)
+        for i, job in zip(todo, pending):
+            try:
+                results[i] = Graded(*job.get(timeout=max(0.0, deadline - time.monotonic()))[:3], retried=True)
+            except mp.TimeoutError:     # the safety net: stuck past every allowance
+                results[i] = Graded(0.0, "timeout", retry_timeout_s, retried=True)
+        pool.terminate()
+    return results
+
+
+def _grade_here(items: list, timeout_s: float, progress) -> list[Graded]:
     warm_up()
     results, unreported, last = [], 0, time.monotonic()
     for response, answers in items:
@@ -397,7 +496,7 @@ def _grade_here(items: list, timeout_s: float, progress) -> list[Result]:
     return results
 
 
-def _grade_pooled(items: list, timeout_s: float, workers: int, chunk: int | None, progress) -> list[Result]:
+def _grade_pooled(items: list, timeout_s: float, workers: int, chunk: int | None, progress) -> list[Graded]:
     with _LOCK:
         pool = _ensure_pool(workers)
         # 4 tasks per worker of the pool that runs them: every worker gets some, and a

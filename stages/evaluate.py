@@ -21,7 +21,7 @@ import polars as pl
 from pipeline import benchmarks, progress, tasks
 from pipeline.config import PipelineConfig
 from pipeline.engines import SamplingParams, make_engine
-from pipeline.grading import grade_many
+from pipeline.grading import grade_many, summary as grading_summary
 from pipeline.metrics import pass_at_k, problem_weighted_average
 from pipeline.schemas import EVAL_SAMPLES, write_parquet
 from pipeline.seeding import derive_seed
@@ -112,7 +112,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     start = time.perf_counter()
     with progress.Progress(f"{desc}: grade", total=len(flat), unit="response") as bar:
         graded = grade_many([c.text for _, _, c in flat], [p.answers for p, _, _ in flat], cfg.verify.timeout_s,
-                            cfg.verify.workers, progress=bar.update)
+                            cfg.verify.workers, progress=bar.update, retry_timeout_s=cfg.verify.retry_timeout_s)
     grade_seconds = time.perf_counter() - start
     table = {"benchmark": [p.benchmark for p, _, _ in flat], "prompt_id": [p.id for p, _, _ in flat],
              "sample": [i for _, i, _ in flat], "reward": [g[0] for g in graded], "status": [g[1] for g in graded],
@@ -131,6 +131,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         **{f"pass_at_{k}": overall[f"pass_at_{k}"] for k in ks},
         **{f"{r['benchmark']}/mean_at_{n}": r[f"mean_at_{n}"] for r in scores.iter_rows(named=True)
            if r["benchmark"] != AVG and len(scores) > 1},
+        **{k: v for k, v in grading_summary(graded).items() if k in ("grading_retries", "grading_timeouts")},
         "prompt_template": template, "generation_samples_per_second": rows / gen_seconds,
         "grading_samples_per_second": rows / grade_seconds})
 
@@ -150,7 +151,7 @@ def content_key(cfg: PipelineConfig) -> dict[str, str]:
     return benchmarks.content_key(cfg.eval.benchmarks, cfg.eval.data_dir)
 
 
-SPEC = StageSpec(name="evaluate", version=2, reads=("seed", "task", "eval", "verify"), build=build,
+SPEC = StageSpec(name="evaluate", version=3, reads=("seed", "task", "eval", "verify"), build=build,
                  extra_key=content_key)
 
 

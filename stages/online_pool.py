@@ -112,6 +112,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     problems = tasks.splits(cfg.task)["train"]
     drawn: list[dict] = []      # one entry per drawn prompt, for draws.parquet
     seconds = {"generate": 0.0, "grade": 0.0}   # the round's work, for the overhead figure
+    retries = [0, 0]                            # responses graded twice, final timeouts
 
     def draw(d: int) -> list[tuple[Any, list[float]]]:
         start = at["prompt_cursor"] + d * per_draw
@@ -125,7 +126,9 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         rows = rollout_table(prompts, outs, params, engine)
         t1 = time.perf_counter()
         graded = grade_many(rows["response_text"], [(prompts["answer"][g],) for g in rows["group"]],
-                            cfg.verify.timeout_s, cfg.verify.workers)
+                            cfg.verify.timeout_s, cfg.verify.workers, retry_timeout_s=cfg.verify.retry_timeout_s)
+        retries[0] += sum(g.retried for g in graded)
+        retries[1] += sum(g.status == "timeout" for g in graded)
         seconds["generate"] += t1 - t0
         seconds["grade"] += time.perf_counter() - t1
         rows["reward"], rows["status"] = [g[0] for g in graded], [g[1] for g in graded]
@@ -157,11 +160,13 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         "cumulative_prompts": at["cumulative_prompts"] + refill.prompts,
         "cumulative_responses": at["cumulative_responses"] + refill.responses,
         "pool_mean_reward": sum(table["reward"]) / max(n, 1), "engine": engine.name,
-        "generate_seconds": seconds["generate"], "grade_seconds": seconds["grade"]})
+        "generate_seconds": seconds["generate"], "grade_seconds": seconds["grade"],
+        "grading_retries": retries[0], "grading_timeouts": retries[1]})
 
 
-SPEC = StageSpec(name="online_pool", version=1,
-                 reads=("seed", "task", "rollout", "verify.timeout_s", "train.groups_per_update", "train.updates_per_step",
+SPEC = StageSpec(name="online_pool", version=2,
+                 reads=("seed", "task", "rollout", "verify.timeout_s", "verify.retry_timeout_s",
+                        "train.groups_per_update", "train.updates_per_step",
                         "online.draw_prompts"), build=build)
 
 

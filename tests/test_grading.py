@@ -1,12 +1,15 @@
-"""Every verify status, real math-verify, in-process and in the shared worker pool."""
+"""Every verify status, real math-verify, in-process and in the shared worker pool; the
+same verdicts on a quiet and on a loaded machine (CPU-time limits, one retry)."""
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from pipeline.grading import grade, grade_many, pool_info
+from pipeline.grading import RETRY_FACTOR, grade, grade_many, pool_info, summary
 
 SLOW = r"The answer is \boxed{\int_0^1 e^{x^2} \sin(x^{3}) dx}"   # sympy takes >10 s on this
 
@@ -20,14 +23,48 @@ SLOW = r"The answer is \boxed{\int_0^1 e^{x^2} \sin(x^{3}) dx}"   # sympy takes 
     (r"\boxed{}", ("1",), 0.0, "parse_error"),
 ])
 def test_statuses(response, answers, reward, status):
-    got_reward, got_status, seconds = grade(response, answers, 5.0)
+    got_reward, got_status, seconds, _ = grade(response, answers, 5.0)
     assert (got_reward, got_status) == (reward, status) and seconds >= 0
 
 
 def test_timeout_is_reward_zero_and_bounded():
-    reward, status, seconds = grade(SLOW, ("1",), 0.5)
+    reward, status, seconds, _ = grade(SLOW, ("1",), 0.5)
     assert (reward, status) == (0.0, "timeout")
-    assert seconds < 3.0   # the limit fired; math-verify alone would take > 10 s
+    assert seconds < 1.0   # CPU seconds: the limit fired; math-verify alone would take > 10 s
+
+
+def integral(j: int) -> str:
+    """A response whose grading costs more CPU as j grows (about 0.2 s at j = 2, 0.9 s at 7,
+    2.8 s at 10 on the CI machine kind): sympy evaluates the integral to compare it."""
+    return rf"The area is \boxed{{\int_0^{{{j}}} x^{{{j}}} \sin(x) dx}}"
+
+
+def busy_machine():
+    """Every core busy with a spinning process, until the returned processes are killed."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+
+
+def test_verdicts_do_not_depend_on_load():
+    """The same responses graded on a quiet machine and with every core busy: identical
+    rewards, statuses and retries. Costs straddle the limits: j <= 7 well inside the 2 s
+    CPU limit (a wall-clock limit would fail some of them under load), j = 10 over it but
+    inside the 6 s retry, SLOW over both. Under load each grade takes 2-3 times the wall
+    time, and the verdicts stay."""
+    responses = [integral(j) for j in (2, 3, 4, 5, 6, 7, 10)] + [SLOW, r"\boxed{3}"]
+    answers = [("1",)] * (len(responses) - 1) + [("3",)]
+    quiet = grade_many(responses, answers, 2.0, workers=2, chunk=1, retry_timeout_s=6.0)
+    load = busy_machine()
+    try:
+        loaded = grade_many(responses, answers, 2.0, workers=2, chunk=1, retry_timeout_s=6.0)
+    finally:
+        for p in load:
+            p.kill()
+            p.wait()
+    assert [g[:2] for g in quiet] == [g[:2] for g in loaded]
+    assert [g.retried for g in quiet] == [g.retried for g in loaded] == [False] * 6 + [True, True, False]
+    assert [g.status for g in loaded] == ["ok"] * 7 + ["timeout", "ok"] and loaded[-1].reward == 1.0
+    counts = summary(loaded)
+    assert (counts["grading_retries"], counts["grading_timeouts"], counts["status_ok"]) == (2, 1, 8)
 
 
 def test_worker_pool_matches_in_process():
@@ -72,7 +109,8 @@ def test_pathological_response_keeps_its_chunk_mates():
     expected[17] = (0.0, "timeout")
     got = grade_many(responses, answers, 1.0, workers=2, chunk=64)     # all 40 in one chunk
     assert [g[:2] for g in got] == expected
-    assert got[17][2] < 4.0                                           # its limit fired
+    assert got[17].retried and not any(g.retried for i, g in enumerate(got) if i != 17)
+    assert got[17].seconds < RETRY_FACTOR * 1.0 + 1.0                 # the retry's CPU limit fired
 
 
 def test_pool_is_reused_across_calls_and_threads_and_reports_progress():
