@@ -1,7 +1,7 @@
 """Math benchmarks in one schema: (id, benchmark, problem, answers).
 
-Sources: a local folder of `<name>.parquet` or `<name>.jsonl` files (`eval.data_dir`, e.g.
-../shared/data/benchmarks), or `eval.data_dir = "hub"`: dataset ids through the
+Sources: a local folder of `<name>.parquet` or `<name>.jsonl` files (`eval.data_dir`,
+default the shipped `data/benchmarks`, see its README), or `eval.data_dir = "hub"`: dataset ids through the
 `datasets` library, for users with internet (HUB below; the ids with a default are
 those we found used for these sets in public evaluation code; OlympiadBench and Minerva
 have no agreed id, so they need files). Required columns: id, problem, answer. `answers` holds the
@@ -47,8 +47,9 @@ class BenchmarkError(ValueError):
 def _file(name: str, data_dir: str | Path) -> Path:
     if name not in KNOWN:
         raise BenchmarkError(f"unknown benchmark '{name}'; known: {', '.join(KNOWN)}")
+    from pipeline.paths import project_file
     for suffix in (".parquet", ".jsonl"):
-        path = Path(data_dir) / f"{name}{suffix}"
+        path = project_file(Path(data_dir) / f"{name}{suffix}")
         if path.exists():
             return path
     raise BenchmarkError(f"benchmark '{name}': no {name}.parquet or {name}.jsonl in {data_dir}; "

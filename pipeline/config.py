@@ -13,7 +13,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -61,7 +61,7 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(16, ge=1)
     batch_prompts: int = Field(64, ge=1)
-    engine: Literal["transformers", "vllm"] = "transformers"
+    engine: Literal["transformers", "vllm"] = "transformers"     # "hf" is accepted for transformers
     # the engine's weights: auto = fp32 on CPU, bf16 on CUDA (vLLM: auto = bf16). Log-probs are
     # always fp32 from the logits; bfloat16 against the fp32 trainer gives a real behavior-learner
     # gap (training-inference mismatch) that a CPU can show
@@ -73,6 +73,11 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     # responses whose trainer log-probs are recomputed to measure engine-trainer mismatch
     mismatch_sample: int = Field(64, ge=0)
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_alias(cls, value):
+        return "transformers" if value == "hf" else value     # one name in keys and summaries
 
 
 class VerifyConfig(Section):
@@ -235,7 +240,7 @@ class EvalConfig(Section):
     # empty: the task's own eval split; else benchmark names read from data_dir
     # (math500, aime24, aime25, olympiadbench, minerva_math, math_train)
     benchmarks: list[str] = []
-    data_dir: str | None = None
+    data_dir: str = "data/benchmarks"           # the shipped benchmarks (data/benchmarks/README.md), a folder, or hub
     # task: the task's own "Q:..\nA:" format; plain: a step-by-step \boxed{} instruction;
     # chat: the model's chat template (plain when it has none); auto: task for the task's
     # split, chat for benchmarks
@@ -255,8 +260,6 @@ class EvalConfig(Section):
         unknown = [b for b in self.benchmarks if b not in KNOWN]
         if unknown:
             raise ValueError(f"eval.benchmarks: unknown {unknown}; known: {', '.join(KNOWN)}")
-        if self.benchmarks and not self.data_dir:
-            raise ValueError("eval.benchmarks needs eval.data_dir (a folder of <name>.parquet/.jsonl files)")
         return self
 
 

@@ -101,6 +101,8 @@ def cached_inputs(stage: str, config: PipelineConfig, store: Store,
         manifest, problems = store.inspect(src, expected_key(src, cfg))
         if problems:
             manifest = rebuild(name, src, problems, cfg, store, preset, rebuild_damaged)
+        if manifest is None and src == "base" and cfg.model.name_or_path:
+            manifest = run_stage(spec("base"), cfg, {}, store)    # records the external model's path: free
         if manifest is None:
             where = f" --set online.round={cfg.online.round}" if src in ONLINE else ""
             missing.append(f"  input '{name}' from stage '{src}': build it with "

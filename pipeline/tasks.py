@@ -8,13 +8,19 @@ math-verify grades them:
   dropped leading zero can never be graded correct.
 - `arithmetic`: a op b with op in + - x; d-digit operands (x: d-digit by 1-digit).
 Any other `task.name` is a path to a Parquet or JSONL file with `problem` and `answer`
-columns (`id` optional); the splits are a seeded permutation of its rows. JSONL is parsed
-line by line, so a malformed line is reported with the file and its line number. A task
-file enters the keys of the stages that read it by its sha256 (`content_key`).
+columns (`id` optional; a relative path is looked up from the working directory, then
+the project root, `paths.project_file`); the splits are a seeded permutation of its rows.
+Rows without a usable problem or answer (null or blank) are skipped and counted
+(`file_report`, in the summaries of the stages that read the task); more than
+SKIP_LIMIT of a file's rows is an error naming the file. JSONL is parsed line by line, so
+a malformed line is reported with the file and its line number. A task file enters the
+keys of the stages that read it by its sha256 (`content_key`).
 """
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +30,8 @@ from pipeline.config import TaskConfig
 from pipeline.seeding import permutation, py_random
 
 BUILTIN = ("digit_sort", "arithmetic")
+SKIP_LIMIT = 0.01       # a file with more unusable rows than this share is refused
+log = logging.getLogger("ggpo")
 PROMPT_TEMPLATE = "Q:{problem}\nA:"   # the tiny model's format: short, no chat template
 
 
@@ -111,30 +119,76 @@ def content_key(cfg: TaskConfig) -> dict[str, str]:
 
 
 def existing_file(name: str | Path) -> Path:
-    path = Path(name)
+    from pipeline.paths import project_file
+    path = project_file(name)
     if not path.is_file():
         raise DatasetError(f"task file {path} does not exist")
     return path
 
 
-def load_file(path: str | Path) -> list[Problem]:
-    """Rows of a Parquet/JSONL prompt file; a bad row is an error naming file and row."""
-    path = existing_file(path)
+@dataclass(frozen=True)
+class TaskFile:
+    rows: list[Problem]         # the usable rows, in file order
+    total: int                  # rows in the file
+    skipped: list[str]          # ids of rows without a usable problem or answer
+
+
+_files: dict[tuple[str, str], TaskFile] = {}      # (path, sha256) -> parsed file
+_files_lock = threading.Lock()
+
+
+def read_task_file(name: str | Path) -> TaskFile:
+    """A Parquet/JSONL prompt file, parsed once per content (sha256) per process. A bad
+    file (unreadable, missing column, repeated ids, too many unusable rows) is an error
+    naming the file, and the row where there is one."""
+    from pipeline.store import sha256_cached
+    path = existing_file(name)
+    stamp = (str(path.resolve()), sha256_cached(path))
+    with _files_lock:
+        if stamp not in _files:
+            _files[stamp] = _parse_task_file(path)
+            skipped = _files[stamp].skipped
+            if skipped:
+                log.warning("%s: skipped %d of %d rows without a usable problem or answer (ids %s)", path,
+                            len(skipped), _files[stamp].total, ", ".join(skipped[:5]))
+        return _files[stamp]
+
+
+def _parse_task_file(path: Path) -> TaskFile:
     df = read_table(path)
     for column in ("problem", "answer"):
         if column not in df.columns:
             raise DatasetError(f"{path}: missing required column '{column}' (has {df.columns}); "
                                f"every row needs 'problem' and 'answer'")
     ids = df["id"].cast(pl.Utf8).to_list() if "id" in df.columns else [f"{path.stem}-{i}" for i in range(df.height)]
-    rows = []
+    rows, skipped, first_bad = [], [], None
     for i, (pid, problem, answer) in enumerate(zip(ids, df["problem"].to_list(), df["answer"].to_list())):
-        for field, value in (("problem", problem), ("answer", answer)):
-            if value is None or not str(value).strip():
-                raise DatasetError(f"{path}: row {i} (id {pid}) has no {field}")
+        missing = [f for f, v in (("problem", problem), ("answer", answer)) if v is None or not str(v).strip()]
+        if missing:
+            skipped.append(str(pid))
+            first_bad = first_bad or f"row {i} (id {pid}) has no {missing[0]}"
+            continue
         rows.append(Problem(str(pid), str(problem), str(answer)))
+    if len(skipped) > SKIP_LIMIT * len(ids) or not rows:
+        raise DatasetError(f"{path}: {len(skipped)} of {len(ids)} rows have no usable problem or answer "
+                           f"(more than {SKIP_LIMIT:.0%}; the first: {first_bad})")
     if len({r.id for r in rows}) != len(rows):
         raise DatasetError(f"{path}: column 'id' has repeated values")
-    return rows
+    return TaskFile(rows, len(ids), skipped)
+
+
+def load_file(path: str | Path) -> list[Problem]:
+    """The usable rows of a Parquet/JSONL prompt file (read_task_file)."""
+    return read_task_file(path).rows
+
+
+def file_report(cfg: TaskConfig) -> dict:
+    """For a stage's summary: the task file's rows and the unusable rows it skipped ({} for
+    a built-in task)."""
+    if cfg.name in BUILTIN:
+        return {}
+    f = read_task_file(cfg.name)
+    return {"task_rows": f.total, "task_rows_skipped": len(f.skipped), "task_rows_skipped_ids": ", ".join(f.skipped[:5])}
 
 
 def splits(cfg: TaskConfig) -> dict[str, list[Problem]]:

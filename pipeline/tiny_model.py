@@ -37,7 +37,9 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> Qwen3ForCausalLM:
         vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
         head_dim=cfg.hidden_size // cfg.num_heads, intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=256, tie_word_embeddings=True,
+        # RoPE sets no hard limit; 4,096 lets a preset's long response budgets (3,072 tokens)
+        # pass preflight with the tiny model standing in for a real one
+        max_position_embeddings=4096, tie_word_embeddings=True,
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(derive_seed(cfg.init_seed, "model/init"))

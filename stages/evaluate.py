@@ -132,6 +132,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         **{f"{r['benchmark']}/mean_at_{n}": r[f"mean_at_{n}"] for r in scores.iter_rows(named=True)
            if r["benchmark"] != AVG and len(scores) > 1},
         **{k: v for k, v in grading_summary(graded).items() if k in ("grading_retries", "grading_timeouts")},
+        **({} if ec.benchmarks else tasks.file_report(cfg.task)),
         "prompt_template": template, "generation_samples_per_second": rows / gen_seconds,
         "grading_samples_per_second": rows / grade_seconds})
 

@@ -161,7 +161,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         "cumulative_responses": at["cumulative_responses"] + refill.responses,
         "pool_mean_reward": sum(table["reward"]) / max(n, 1), "engine": engine.name,
         "generate_seconds": seconds["generate"], "grade_seconds": seconds["grade"],
-        "grading_retries": retries[0], "grading_timeouts": retries[1]})
+        "grading_retries": retries[0], "grading_timeouts": retries[1], **tasks.file_report(cfg.task)})
 
 
 SPEC = StageSpec(name="online_pool", version=2,

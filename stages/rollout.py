@@ -100,7 +100,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         files={"prompts": ("prompts.parquet", n_prompts), "rollouts": ("rollouts.parquet", n_rows)},
         summary={"prompts": n_prompts, "responses": n_rows, "group_size": rc.group_size,
                  "mean_response_length": sum(lengths) / len(lengths), "engine": engine.name,
-                 "logprobs_mode": engine.logprobs_mode, **mismatch},
+                 "logprobs_mode": engine.logprobs_mode, **mismatch, **tasks.file_report(cfg.task)},
     )
 
 

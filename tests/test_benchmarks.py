@@ -1,14 +1,26 @@
-"""Benchmark loaders on the real files in ../shared/data/benchmarks, and grading them."""
+"""Benchmark loaders on the real files the project ships in data/benchmarks, and grading them."""
+import re
+
 import polars as pl
 import pytest
 
 from pipeline.benchmarks import KNOWN, BenchmarkError, load
 from pipeline.grading import grade_many
+from pipeline.store import sha256_file
 
-from conftest import SHARED
+from conftest import REPO
 
-DATA = SHARED / "data" / "benchmarks"
-pytestmark = pytest.mark.skipif(not DATA.exists(), reason="../shared/data/benchmarks not present")
+DATA = REPO / "data" / "benchmarks"
+
+
+def test_shipped_files_match_their_readme():
+    """Every shipped file has the row count and sha256 its README states, and nothing else ships."""
+    readme = (DATA / "README.md").read_text()
+    rows = re.findall(r"^\| `(\w+\.parquet)` \| ([\d,]+) \|.*\| `([0-9a-f]{64})` \|$", readme, re.M)
+    assert sorted(f for f, _, _ in rows) == sorted(p.name for p in DATA.glob("*.parquet")) and len(rows) == 6
+    for name, count, digest in rows:
+        assert sha256_file(DATA / name) == digest, name
+        assert pl.read_parquet(DATA / name, columns=["id"]).height == int(count.replace(",", "")), name
 
 
 @pytest.mark.parametrize("name, rows", [("math500", 500), ("aime24", 30), ("aime25", 30),

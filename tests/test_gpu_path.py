@@ -175,8 +175,8 @@ def test_model_folder_checks(tmp_path, base_manifest):
     (no_tok / "config.json").write_text(json.dumps({"max_position_embeddings": 256}))
     with pytest.raises(ConfigError, match=r"model\.name_or_path=.*no_tokenizer: the folder has no tokenizer"):
         preflight(load_config("smoke", [f"model.name_or_path={no_tok}"]))
-    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens=4096 does not fit the model's context of 256"):
-        preflight(load_config("smoke", [f"model.name_or_path={src}", "rollout.max_new_tokens=4096"]))
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens=8192 does not fit the model's context of 4096"):
+        preflight(load_config("smoke", [f"model.name_or_path={src}", "rollout.max_new_tokens=8192"]))
     preflight(load_config("smoke", [f"model.name_or_path={src}"]))       # a good folder passes
 
 

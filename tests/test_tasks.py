@@ -6,6 +6,7 @@ import pytest
 
 from pipeline.config import TaskConfig, load_config
 from pipeline.store import MANIFEST
+from pipeline import tasks
 from pipeline.tasks import DatasetError, load_file, splits
 
 
@@ -32,11 +33,28 @@ def test_file_task_loads_and_splits(tmp_path):
     assert {p.id for p in s["train"]} | {p.id for p in s["eval"]} == {f"p{i}" for i in range(30)}
 
 
-def test_row_without_answer_names_file_and_row(tmp_path):
-    path = tmp_path / "bad.parquet"
-    pl.DataFrame({"problem": ["1+1", "2+2", "3+3"], "answer": ["2", None, "6"]}).write_parquet(path)
-    with pytest.raises(DatasetError, match=r"bad\.parquet: row 1 .*has no answer"):
-        load_file(path)
+def test_unusable_rows_are_skipped_and_counted_up_to_one_percent(tmp_path):
+    """At most 1 % of rows without a usable problem or answer: skipped, counted, named; more:
+    an error naming the file and the first such row."""
+    answers = [str(i) for i in range(200)]
+    answers[57], answers[130] = None, "  "
+    path = tmp_path / "few.parquet"
+    pl.DataFrame({"id": [f"q{i}" for i in range(200)], "problem": [f"{i}+0" for i in range(200)],
+                  "answer": answers}).write_parquet(path)
+    assert [p.id for p in load_file(path)] == [f"q{i}" for i in range(200) if i not in (57, 130)]
+    report = tasks.file_report(TaskConfig(name=str(path)))
+    assert report == {"task_rows": 200, "task_rows_skipped": 2, "task_rows_skipped_ids": "q57, q130"}
+    bad = tmp_path / "bad.parquet"
+    pl.DataFrame({"problem": ["1+1", "2+2", "3+3"], "answer": ["2", None, "6"]}).write_parquet(bad)
+    with pytest.raises(DatasetError, match=r"bad\.parquet: 1 of 3 rows have no usable problem or answer "
+                                           r"\(more than 1%; the first: row 1 \(id bad-1\) has no answer\)"):
+        load_file(bad)
+
+
+def test_the_shipped_math_train_file_skips_its_two_empty_answers():
+    report = tasks.file_report(TaskConfig(name="data/benchmarks/math_train.parquet"))
+    assert (report["task_rows"], report["task_rows_skipped"]) == (12000, 2)
+    assert report["task_rows_skipped_ids"] == "train/number_theory/7115.json, train/number_theory/7117.json"
 
 
 def test_missing_column_names_file_and_column(tmp_path):
@@ -54,7 +72,7 @@ def test_bad_dataset_writes_nothing(tmp_path, base_manifest):
     path.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n" + json.dumps({"problem": "", "answer": "3"}))
     cfg = load_config("smoke", {"task.name": str(path), "task.n_eval": 1, "task.n_train": 1})
     store = Store(tmp_path / "cache")
-    with pytest.raises(DatasetError, match=r"bad\.jsonl: row 1 .*has no problem"):
+    with pytest.raises(DatasetError, match=r"bad\.jsonl: 1 of 2 rows .* row 1 .*has no problem"):
         rollout.run(cfg, {"base": base_manifest}, store=store)
     written = list((tmp_path / "cache").rglob("*"))
     assert not [p for p in written if p.name == MANIFEST or p.suffix == ".parquet"]
