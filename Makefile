@@ -1,4 +1,5 @@
-# make demo: set up, start the services, run the deployment ggpo/offline on the embedded default.
+# make demo: set up, start the services, run the deployment ggpo/offline on the embedded default
+# (its stage logs stream here; Ctrl-C cancels the Prefect run, which stops at safe points).
 # make test: set up, run the test suite (it starts its own servers on free ports).
 # GPU users: make demo TORCH_SPEC="torch" (or any CUDA build) and pip install -e '.[gpu]'.
 PYTHON ?= python3
@@ -6,7 +7,6 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.ggpo-installed
-PREFECT_API ?= http://127.0.0.1:$${GGPO_PREFECT_PORT:-4200}/api
 
 .PHONY: install demo test down
 
@@ -21,7 +21,7 @@ install: $(STAMP)
 
 demo: install
 	$(BIN)/ggpo up
-	PATH=$(BIN):$$PATH PREFECT_API_URL=$(PREFECT_API) prefect deployment run ggpo/offline --watch --watch-timeout 3600
+	$(BIN)/ggpo run offline --deployment
 	$(BIN)/ggpo report
 
 test: install

@@ -13,6 +13,7 @@ store's content keys decide what is recomputed, the same with or without a serve
 """
 from __future__ import annotations
 
+import logging
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,15 +22,22 @@ import polars as pl
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import PrefectFuture
+from prefect.futures import PrefectFuture, wait
+from prefect.states import Cancelled, State
 from prefect.runtime import flow_run
 
-from pipeline import dag, grading, grid, placement, progress, report, tracking
-from pipeline.config import PipelineConfig, load_config
+from pipeline import dag, grading, grid, interrupt, placement, progress, report, tracking
+from pipeline.config import PipelineConfig
 from pipeline.grid import Cell
-from pipeline.runtime import preflight
-from pipeline.stage import build_slot, set_parallel_builds
+from pipeline.preflight import check_run
+from pipeline.stage import build_slot, outcome, set_parallel_builds
 from pipeline.store import Manifest, Store
+
+
+# the stages' progress and resume lines (logger "ggpo"; forwarded to the Prefect API where
+# PREFECT_LOGGING_EXTRA_LOGGERS names it, as `ggpo up`'s serve process does): INFO unless set
+if logging.getLogger("ggpo").level == logging.NOTSET:
+    logging.getLogger("ggpo").setLevel(logging.INFO)
 
 
 @task(task_run_name="{run_name}", cache_policy=NO_CACHE, retries=0)
@@ -39,10 +47,19 @@ def run_stage_task(stage: str, cfg: PipelineConfig, inputs: dict[str, Manifest],
     inputs = {n: store.resolve(m) for n, m in inputs.items()}     # made on another machine (Ray)?
     with build_slot():      # at most experiment.parallel builds at once
         result = dag.run(stage, cfg, inputs, store, force)
-    get_run_logger().info("%s %s in %.1fs: %s", run_name, "cache hit" if result.cache_hit else "built",
-                          result.seconds, {k: v for k, v in result.summary.items() if not isinstance(v, str)})
+    get_run_logger().info("%s %s: %s", run_name, outcome(result),
+                          {k: v for k, v in result.summary.items() if not isinstance(v, str)})
     tracking.log_stage(result, run_name, parent_run_id)
     return result
+
+
+def cancelled(step: "Runner | None") -> State:
+    """After a stop request: wait until every submitted stage has reached its safe point
+    (checkpoints written), stop the graders, and end the flow run Cancelled."""
+    if step is not None:
+        wait(list(step.submitted.values()))
+    grading.close_pool()
+    return Cancelled(message=f"ggpo: {interrupt.summary()}")
 
 
 class Runner:
@@ -184,27 +201,28 @@ def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: l
     preset: a file in pipeline/presets; overrides: {"train.lr": 1e-5, ...}; force: stage
     names to recompute even when cached; methods / seeds: default to the preset's
     `experiment.methods` / `experiment.seeds`."""
-    cfg = load_config(preset, overrides or {})
-    methods = methods or list(cfg.experiment.methods)
-    seeds = seeds or list(cfg.experiment.seeds)
-    cfg = cfg.updated({"experiment.methods": methods, "experiment.seeds": seeds})   # validates names
-    cells = grid.cells(cfg)     # every cell validated as the config it trains, before any work
-    unknown = set(force or []) - set(dag.STAGE_NAMES)
-    if unknown:
-        raise ValueError(f"force: unknown stages {sorted(unknown)}; known: {', '.join(dag.STAGE_NAMES)}")
-    for c in [cfg] + [cell.config for cell in cells]:
-        preflight(c)    # device, engine, model folder, budgets (per cell): fail before any work
+    # config, cells, device, engine, model, data, disk: every prerequisite before any work
+    cfg, cells = check_run("offline", preset, overrides, force, methods, seeds)
+    seeds = list(cfg.experiment.seeds)
     placement.use(cfg)      # threads or Ray (experiment.task_runner): connected before any work
     if cfg.experiment.task_runner == "threads":    # Ray workers start their own, lazily
         grading.start_pool(cfg.verify.workers)   # one grading pool for every verify and evaluate, warm by then
-    tags = {"ggpo.preset": preset, "prefect.flow_run_id": str(flow_run.get_id() or "")}
-    with tracking.parent_run(f"offline-{preset}", cfg.model_dump(mode="json"), tags) as (client, parent):
-        set_parallel_builds(cfg.experiment.parallel)
-        step = Runner(set(force or []), parent)
-        step("base", cfg, {}, "base")
-        pending = [p for seed in seeds for p in submit_seed(step, [c for c in cells if c.seed == seed])]
-        records, curves, finals = collect(pending, cfg)
-        result = log_report(client, parent, records, curves, finals, cfg)
+    tags = tracking.run_tags("offline", preset, cfg, str(flow_run.get_id() or ""))
+    title = tracking.run_title("offline", preset, overrides or {}, cfg)
+    step = None
+    with interrupt.handlers():      # Ctrl-C / a cancelled deployment run: stop at safe points
+        try:
+            with tracking.parent_run(title, cfg.model_dump(mode="json"), tags) as (client, parent):
+                set_parallel_builds(cfg.experiment.parallel)
+                step = Runner(set(force or []), parent)
+                step("base", cfg, {}, "base")
+                pending = [p for seed in seeds for p in submit_seed(step, [c for c in cells if c.seed == seed])]
+                records, curves, finals = collect(pending, cfg)
+                result = log_report(client, parent, records, curves, finals, cfg)
+        except Exception:
+            if not interrupt.requested():
+                raise
+            return cancelled(step)
     publish_report(result, records, preset)
     print(result["table"])
     return result | {"mlflow_parent_run_id": parent, "records": records}

@@ -28,12 +28,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 
-from flows.offline import Runner, publish_report
-from pipeline import dag, grading, grid, online_report, placement, tracking
-from pipeline.config import ConfigError, PipelineConfig, load_config
+from flows.offline import Runner, cancelled, publish_report
+from pipeline import dag, grading, grid, interrupt, online_report, placement, tracking
+from pipeline.config import PipelineConfig
 from pipeline.grid import Cell
-from pipeline.runtime import preflight
-from pipeline.stage import build_slot, set_parallel_builds
+from pipeline.preflight import check_run
+from pipeline.stage import build_slot, outcome, set_parallel_builds
 from pipeline.store import Manifest, Store
 from stages.online_train import eval_points
 
@@ -45,7 +45,7 @@ def online_stage_task(stage: str, cfg: PipelineConfig, inputs: dict[str, Manifes
     inputs = {n: store.resolve(m) for n, m in inputs.items()}     # made on another machine (Ray)?
     with build_slot():
         result = dag.run(stage, cfg, inputs, store, force)
-    get_run_logger().info("%s %s in %.1fs", run_name, "cache hit" if result.cache_hit else "built", result.seconds)
+    get_run_logger().info("%s %s", run_name, outcome(result))
     if stage == "online_train" and cell_run_id:
         tracking.log_round(result, inputs["pool"], cell_run_id)
     return result
@@ -66,28 +66,11 @@ class OnlineRunner(Runner):
                                 self.cell_runs.get(name.rsplit("/", 1)[0]))
 
 
-def check_online(cfg: PipelineConfig, where: str) -> None:
-    """Bad online geometry, before any work."""
-    tc, n_prompts = cfg.train, cfg.task.n_train
-    need = tc.updates_per_step * tc.groups_per_update
-    if tc.updates % tc.updates_per_step:
-        raise ConfigError(f"{where}: train.updates ({tc.updates}) must be a multiple of train.updates_per_step "
-                          f"({tc.updates_per_step}): the online loop runs whole rounds of N updates")
-    if need > n_prompts:
-        raise ConfigError(f"{where}: a round needs train.updates_per_step x train.groups_per_update = {need} distinct "
-                          f"mixed-reward groups but the task has {n_prompts} training prompts (task.n_train); "
-                          f"lower train.updates_per_step or train.groups_per_update")
-    if tc.nproc > 1 or tc.nnodes > 1:
-        raise ConfigError(f"{where}: train.nproc / train.nnodes > 1: online rounds train in one process for now "
-                          f"(the offline train stage runs under torchrun); set train.nproc=1")
-    if cfg.online.per_draw(tc) * cfg.online.max_draws < need:
-        raise ConfigError(f"{where}: online.max_draws x draw size = {cfg.online.per_draw(tc) * cfg.online.max_draws} "
-                          f"prompts can never fill a round of {need} groups")
-
-
 def cell_name(cell: Cell) -> str:
-    """The cell's MLflow run name, and the head of its round tasks' names ("<head>/pool-r3")."""
-    return f"{cell.slug}-seed{cell.seed}"
+    """The cell's MLflow run name, and the head of its round tasks' names ("<head>/pool-r3"):
+    method, N, the other grid values and the seed ("ggpo N=4 t_ref=fixed seed=42")."""
+    rest = [p for p in cell.label.split(" ")[1:] if not p.startswith(("updates_per_step=", "train.updates_per_step="))]
+    return " ".join([cell.method, f"N={cell.config.train.updates_per_step}", *rest, f"seed={cell.seed}"])
 
 
 def submit_cell(step: OnlineRunner, cell: Cell, round_: int, prev: PrefectFuture | None) -> PrefectFuture:
@@ -126,7 +109,7 @@ def submit_all(step: OnlineRunner, cells: list[Cell]) -> tuple[dict, list]:
 def cell_runs(client, parent: str, cells: list[Cell]) -> dict[str, str]:
     """One MLflow run per cell (nested under the flow's run): its rounds log into it."""
     out = {}
-    exp = tracking.experiment_id(client)
+    exp = tracking.experiment_id(client, tracking.EXPERIMENTS["online"])
     for cell in cells:
         name = cell_name(cell)
         run = client.create_run(exp, run_name=name, tags={"mlflow.parentRunId": parent, "ggpo.stage": "online",
@@ -167,25 +150,28 @@ def ggpo_online(preset: str = "tiny-online", overrides: dict[str, Any] | None = 
 
     preset: a file in pipeline/presets; overrides: {"train.updates_per_step": 4, ...};
     force: stage names to recompute even when cached."""
-    cfg = load_config(preset, overrides or {})
-    cells = grid.cells(cfg)
-    unknown = set(force or []) - set(dag.STAGE_NAMES)
-    if unknown:
-        raise ValueError(f"force: unknown stages {sorted(unknown)}; known: {', '.join(dag.STAGE_NAMES)}")
-    for cell in cells:
-        check_online(cell.config, f"experiment cell '{cell.label}'")
-        preflight(cell.config)
+    # config, cells, online geometry, device, engine, model, data, disk: before any work
+    cfg, cells = check_run("online", preset, overrides, force)
     placement.use(cfg)      # threads or Ray (experiment.task_runner): connected before any work
     if cfg.experiment.task_runner == "threads":    # Ray workers start their own, lazily
         grading.start_pool(cfg.verify.workers)
-    tags = {"ggpo.preset": preset, "ggpo.flow": "online", "prefect.flow_run_id": str(flow_run.get_id() or "")}
-    with tracking.parent_run(f"online-{preset}", cfg.model_dump(mode="json"), tags) as (client, parent):
-        set_parallel_builds(cfg.experiment.parallel)
-        runs = cell_runs(client, parent, cells)
-        step = OnlineRunner(set(force or []), parent, runs)
-        rounds, evals = submit_all(step, cells)
-        evaluations, curves = collect(cells, rounds, evals, cfg, client, runs)
-        result = online_report.log(client, parent, evaluations, curves, cfg)
+    tags = tracking.run_tags("online", preset, cfg, str(flow_run.get_id() or ""))
+    title = tracking.run_title("online", preset, overrides or {}, cfg)
+    step = None
+    with interrupt.handlers():      # Ctrl-C / a cancelled deployment run: stop at safe points
+        try:
+            with tracking.parent_run(title, cfg.model_dump(mode="json"), tags, tracking.EXPERIMENTS["online"]) \
+                    as (client, parent):
+                set_parallel_builds(cfg.experiment.parallel)
+                runs = cell_runs(client, parent, cells)
+                step = OnlineRunner(set(force or []), parent, runs)
+                rounds, evals = submit_all(step, cells)
+                evaluations, curves = collect(cells, rounds, evals, cfg, client, runs)
+                result = online_report.log(client, parent, evaluations, curves, cfg)
+        except Exception:
+            if not interrupt.requested():
+                raise
+            return cancelled(step)
     publish_report(result, evaluations.to_dicts(), preset)
     print(result["table"])
     return result | {"mlflow_parent_run_id": parent, "records": evaluations.to_dicts()}

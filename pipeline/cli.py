@@ -19,7 +19,7 @@ import os
 import sys
 import urllib.request
 
-from pipeline import dag, paths, services
+from pipeline import dag, interrupt, paths, services
 from pipeline.config import PRESET_DIR, ConfigError, load_config, parse_overrides, preset_names
 from pipeline.store import DamagedArtifact, Store, gc_plan, verify_all
 
@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("flow", choices=["offline", "online"])
     _config_args(run, default=None)
     run.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="stages to recompute")
+    run.add_argument("--deployment", action="store_true",
+                     help="run it as the served deployment ggpo/<flow> (after ggpo up), with its logs here; "
+                          "Ctrl-C cancels the Prefect run, which stops at safe points")
     st = sub.add_parser("stage", help="run one stage from the cached artifacts of its inputs")
     st.add_argument("name", choices=dag.STAGE_NAMES)
     _config_args(st)
@@ -71,7 +74,8 @@ def cmd_up(args) -> int:
     print(f"ggpo services {word} (state: {paths.state_dir()})")
     print(f"  Prefect UI: {state['urls']['prefect_ui']}\n  MLflow UI:  {state['urls']['mlflow']}")
     from pipeline import tracking
-    print(f"  MLflow runs and charts: {tracking.experiment_link(state['urls']['mlflow'])}")
+    print(f"  MLflow runs and charts: {tracking.experiment_link(state['urls']['mlflow'])} (offline)\n"
+          f"                          {tracking.experiment_link(state['urls']['mlflow'], 'online')} (online)")
     print("  deployments: ggpo/offline, ggpo/online  (prefect deployment run ggpo/offline --watch)")
     return 0
 
@@ -91,20 +95,29 @@ DEFAULT_PRESET = {"offline": "tiny", "online": "tiny-online"}
 
 
 def cmd_run(args) -> int:
+    args.preset = args.preset or DEFAULT_PRESET[args.flow]
+    from pipeline.preflight import check_run
+    # config, data and every prerequisite before any server, worker or model starts: a bad
+    # --set or task file answers in seconds, with nothing of Prefect's after it
+    check_run(args.flow, args.preset, _overrides(args), args.force)
+    if args.deployment:
+        return run_deployment(args)
     ensure_prefect_api()
     from pipeline import stage
     if args.flow == "online":
         from flows.online import ggpo_online as ggpo
     else:
         from flows.offline import ggpo
-    args.preset = args.preset or DEFAULT_PRESET[args.flow]
     if not args.debug:
         for name in ("prefect.task_runs", "prefect.flow_runs"):
             logging.getLogger(name).addFilter(drop_expected_tracebacks)
     stage.clear_failures()
+    interrupt.reset()
     try:
         result = ggpo(preset=args.preset, overrides=_overrides(args), force=args.force)
     except Exception as exc:
+        if interrupt.requested():       # the flow ended Cancelled: its stages stopped at safe points
+            return interrupted()
         # the flow fails on "upstream task did not complete": name the stage failure behind it
         from pipeline import placement      # stage failures on Ray workers (experiment.task_runner=ray)
         cause = next((e for _, e in stage.failures() + placement.failures() if expected_error(e) is not None), None)
@@ -115,6 +128,63 @@ def cmd_run(args) -> int:
     print(json.dumps(result["summary"], indent=2))
     print(f"MLflow parent run {result['mlflow_parent_run_id']}")
     return 0
+
+
+def run_deployment(args) -> int:
+    """The served deployment ggpo/<flow>, watched from here: its logs (the stages' progress)
+    as they come, and on Ctrl-C the Prefect run is cancelled; the serve process then stops
+    it at its safe points (SIGTERM: pipeline/interrupt.py) and it ends Cancelled."""
+    state = services.status()
+    if not state or not all(s["healthy"] for s in state["services"].values()):
+        raise services.ServiceError("ggpo run --deployment needs the servers and the deployment: run `ggpo up` first")
+    os.environ["PREFECT_API_URL"] = state["urls"]["prefect_api"]
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment as start
+    params = {"preset": args.preset, "overrides": _overrides(args), "force": args.force}
+    run = start(f"ggpo/{args.flow}", parameters=params, timeout=0)
+    print(f"flow run {run.name}: {state['urls']['prefect_ui']}/runs/flow-run/{run.id}", flush=True)
+    with get_client(sync_client=True) as client, interrupt.handlers():
+        final = watch_flow_run(client, run.id)
+    if final.is_cancelled():
+        print(f"ggpo: {(final.message or '').removeprefix('ggpo: ') or 'cancelled'}", file=sys.stderr)
+        return interrupt.EXIT_CODE
+    if not final.is_completed():
+        print(f"ggpo: flow run {run.name} ended {final.name}: {final.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def watch_flow_run(client, run_id):
+    """Print the run's logs until it ends (cancelling it once a stop is requested here)."""
+    import time
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.states import Cancelling
+    seen, cancelling = 0, False
+    while True:
+        if interrupt.requested() and not cancelling:
+            client.set_flow_run_state(run_id, Cancelling(message="Ctrl-C in ggpo run --deployment"), force=True)
+            cancelling = True
+        flow_run = client.read_flow_run(run_id)
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])), offset=seen,
+                                sort=LogSort.TIMESTAMP_ASC)
+        for entry in logs:
+            print(f"{entry.timestamp:%H:%M:%S} {entry.message}", flush=True)
+        seen += len(logs)
+        if flow_run.state is not None and flow_run.state.is_final():
+            return flow_run.state
+        time.sleep(1.0)
+
+
+def interrupted() -> int:
+    """One line for an interrupted command, last; the graders and a temporary Prefect server
+    (which outlived the run's own shutdown to record it Cancelled) stop first."""
+    from pipeline import grading
+    grading.close_pool()
+    for server in _TEMPORARY_SERVER:
+        server.stop()
+    print(f"ggpo: {interrupt.summary()}", file=sys.stderr)
+    return interrupt.EXIT_CODE
 
 
 def drop_expected_tracebacks(record: logging.LogRecord) -> bool:
@@ -150,24 +220,50 @@ def ensure_prefect_api() -> None:
     os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
     port = services.free_port()
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
-    from prefect.server.api.server import SubprocessASGIServer
-    server = SubprocessASGIServer(port)
-    server.start()          # stopped by Prefect's own atexit hook
+    server = detached_server(port)
+    server.start()          # stopped by Prefect's own atexit hook, after this process's own shutdown
+    _TEMPORARY_SERVER.append(server)
     if server.api_url != os.environ["PREFECT_API_URL"]:   # port taken between our check and its bind
         server.stop()
         raise services.ServiceError(f"Prefect's temporary server could not bind port {port}; run again, "
                                     "or start the servers with `ggpo up`")
 
 
+_TEMPORARY_SERVER: list = []
+
+
+def detached_server(port: int):
+    """Prefect's temporary server in a session of its own: Ctrl-C in the terminal reaches
+    the run, which stops at safe points and reports Cancelled to this server, instead of
+    killing the server first (the run then spent minutes retrying a dead API)."""
+    import functools
+    import subprocess
+    from unittest import mock
+
+    from prefect.server.api import server as prefect_server
+
+    class Detached(prefect_server.SubprocessASGIServer):
+        def _run_uvicorn_command(self):
+            popen = functools.partial(subprocess.Popen, start_new_session=True)
+            with mock.patch.object(prefect_server.subprocess, "Popen", popen):
+                return super()._run_uvicorn_command()
+    return Detached(port)
+
+
 def cmd_stage(args) -> int:
+    from pipeline import stage
     cfg = load_config(args.preset, _overrides(args))
-    from pipeline.runtime import preflight
-    preflight(cfg)      # device, engine, model folder, budgets: fail before any work
+    from pipeline.preflight import preflight
+    preflight(cfg)      # device, engine, model, data, disk: every prerequisite before any work
     store = Store()
-    inputs = dag.cached_inputs(args.name, cfg, store, args.preset)
-    manifest = dag.run(args.name, cfg, inputs, store, args.force)
-    word = "cache hit" if manifest.cache_hit else f"built in {manifest.seconds:.1f}s"
-    print(f"{args.name}: {word}\n  key    {manifest.key}\n  folder {manifest.folder}")
+    interrupt.reset()
+    with interrupt.handlers():       # Ctrl-C: stop at a safe point (training checkpoints), exit 130
+        try:
+            inputs = dag.cached_inputs(args.name, cfg, store, args.preset)
+            manifest = dag.run(args.name, cfg, inputs, store, args.force)
+        except interrupt.Interrupted:
+            return interrupted()
+    print(f"{args.name}: {stage.outcome(manifest)}\n  key    {manifest.key}\n  folder {manifest.folder}")
     if store.url:
         print(f"  store  {store.address(manifest)}")
     for name, entry in manifest.files.items():
@@ -176,7 +272,7 @@ def cmd_stage(args) -> int:
     if not args.no_track:
         from pipeline import tracking
         run_id = tracking.log_stage(manifest, f"stage-{args.name}")
-        print(f"  mlflow run {run_id} at {tracking.tracking_uri()}")
+        print(f"  mlflow run {tracking.run_link(run_id) or run_id + ' in ' + tracking.tracking_uri()}")
     return 0
 
 
@@ -272,6 +368,8 @@ def expected_error(exc: BaseException) -> str | None:
     from pydantic import ValidationError
     from pipeline.benchmarks import BenchmarkError
     from pipeline.tasks import DatasetError
+    if isinstance(exc, interrupt.Interrupted):
+        return str(exc)
     train_loop = sys.modules.get("stages.train.loop")   # TrainingError exists only once training ran
     if isinstance(exc, ValidationError) or isinstance(exc.__context__, ValidationError) and isinstance(exc, ConfigError):
         invalid = exc if isinstance(exc, ValidationError) else exc.__context__

@@ -55,6 +55,8 @@ from collections import Counter
 from functools import lru_cache
 from typing import Callable, NamedTuple
 
+from pipeline import interrupt
+
 STATUSES = ("ok", "no_answer", "parse_error", "timeout")
 STUCK_GRACE_S = 2.0     # added to the wall-clock safety net (the timer repeats every 20 ms of CPU)
 STUCK_WALL_FACTOR = 4   # a response is stuck after this many times its CPU limit in wall time
@@ -509,6 +511,7 @@ def _grade_pooled(items: list, timeout_s: float, workers: int, chunk: int | None
     reported = 0
     try:
         while True:
+            interrupt.check("grading")
             call.wake.wait(_TICK_S)
             call.wake.clear()
             with _LOCK:

@@ -8,14 +8,13 @@ forward runs under autocast. The reference is frozen and never trained, so under
 parameters are stored in bf16 (half the memory; buffers such as the rotary frequencies
 stay fp32, hf.cast_parameters) on the training device, or on the CPU with
 `train.reference_device=cpu`. Gradient checkpointing is transformers' non-reentrant one.
-The loop never asks `torch.cuda` itself: everything device-specific lives here.
+The loop never asks `torch.cuda` itself: everything device-specific lives here. What a
+run needs before it starts (device, engine, model, data, disk) is pipeline/preflight.py.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -90,61 +89,3 @@ def make_runtime(tc: TrainConfig) -> Runtime:
                    gradient_checkpointing=tc.gradient_checkpointing,
                    chunk_tokens=tc.logprob_chunk_tokens, logprob_impl=tc.logprob_impl,
                    param_dtype=torch.float64 if tc.dtype == "float64" else torch.float32)
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-
-
-def preflight(cfg) -> None:
-    """Bad settings that would fail hours into a run, caught before any work, each as one
-    ConfigError naming the setting and what to do. `cfg` is a PipelineConfig."""
-    from pipeline.store import check_store
-    check_store()       # the artifact store opens (URL, credentials, endpoint)
-    device = resolve_device(cfg.train.device)
-    _check_placement(cfg.train, device)
-    if cfg.experiment.task_runner == "ray":     # (placement imports prefect: only when asked)
-        from pipeline import placement
-        placement.check(cfg)    # ray installed, the address answers
-    if cfg.rollout.engine == "vllm":
-        from pipeline.engines import check_vllm
-        check_vllm()
-    if cfg.model.name_or_path:
-        _check_model_folder(cfg)
-
-
-def _check_placement(tc: TrainConfig, device: torch.device) -> None:
-    """train.nproc ranks fit this node (one GPU each on CUDA; gloo ranks are processes, up
-    to 4 per core); several nodes need the rendezvous endpoint."""
-    import os
-    if device.type == "cuda" and tc.nproc > torch.cuda.device_count():
-        raise ConfigError(f"train.nproc={tc.nproc} but {torch.cuda.device_count()} GPU(s) are visible "
-                          "(one rank per GPU): lower train.nproc or check CUDA_VISIBLE_DEVICES")
-    cap = 4 * (os.cpu_count() or 1)
-    if device.type == "cpu" and tc.nproc > cap:
-        raise ConfigError(f"train.nproc={tc.nproc} CPU ranks on {os.cpu_count()} cores (at most {cap}): "
-                          "lower train.nproc")
-    if tc.nnodes > 1 and not tc.rdzv_endpoint:
-        raise ConfigError(f"train.nnodes={tc.nnodes} needs train.rdzv_endpoint=HOST:PORT (node 0's address, "
-                          "the same on every node)")
-
-
-def _check_model_folder(cfg) -> None:
-    """A local HF folder has a tokenizer, and its context holds the response budgets."""
-    folder = Path(cfg.model.name_or_path)
-    if not folder.exists():
-        if cfg.model.name_or_path.startswith((".", "/", "~")):
-            raise ConfigError(f"model.name_or_path={cfg.model.name_or_path}: no such folder")
-        return      # a hub id: transformers resolves it (needs internet)
-    if not any((folder / name).exists() for name in TOKENIZER_FILES):
-        raise ConfigError(f"model.name_or_path={folder}: the folder has no tokenizer (none of "
-                          f"{', '.join(TOKENIZER_FILES)}); save the tokenizer next to the weights "
-                          "(tokenizer.save_pretrained(folder))")
-    config_file = folder / "config.json"
-    if not config_file.exists():
-        raise ConfigError(f"model.name_or_path={folder}: no config.json; is this a Hugging Face model folder?")
-    context = json.loads(config_file.read_text()).get("max_position_embeddings")
-    for setting, budget in (("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
-                            ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
-        if context is not None and budget >= context:
-            raise ConfigError(f"{setting}={budget} does not fit the model's context of {context} tokens "
-                              f"(max_position_embeddings in {config_file}) with any prompt: lower {setting}")

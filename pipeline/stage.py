@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from pipeline import interrupt
 from pipeline.config import PipelineConfig
 from pipeline.store import DamagedArtifact, Manifest, Store, check, file_entry, now_iso, stage_key
 
@@ -59,6 +60,16 @@ def build_slot() -> Iterator[None]:
     slots = _build_slots
     with slots:
         yield
+
+
+def outcome(manifest: Manifest) -> str:
+    """"built in 3.2s", or for a cache hit what it saved: "cache hit (built in 92.2s on
+    2026-11-30 14:02 UTC)"."""
+    built = f"built in {manifest.seconds:.1f}s"
+    if not manifest.cache_hit:
+        return built
+    when = manifest.created_at.replace("T", " ")[:16] + " UTC"     # 2026-11-30T14:02:11Z
+    return f"cache hit ({built} on {when})"
 
 
 def content_key(spec: StageSpec, config: PipelineConfig) -> dict[str, str]:
@@ -124,8 +135,9 @@ def _run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manife
     if not force:
         hit = store.load(spec.name, key)
         if hit is not None:
-            log.info("%s: cache hit %s", spec.name, key[:16])
+            log.info("%s: %s, %s", spec.name, outcome(hit.model_copy(update={"cache_hit": True})), key[:16])
             return hit.model_copy(update={"cache_hit": True})
+    interrupt.check(f"{spec.name} not started")     # stopping: begin nothing new
     verify_inputs(spec, inputs)
     # a forced rerun starts from scratch; an interrupted one keeps what lets it resume
     folder = store.begin(spec.name, key, keep=() if force else spec.keep_on_rebuild)

@@ -1,5 +1,9 @@
-"""MLflow tracking: experiment `ggpo-offline`, one parent run per flow run, one nested run
-per stage (training runs named by method and seed).
+"""MLflow tracking: one experiment per flow (`ggpo-offline`, `ggpo-online`), one parent run
+per flow run named so a person can scan the runs table (`offline tiny lr=1e-4 ·
+2026-11-30 14:02`, tagged with preset, methods, seeds, grid and git commit), one nested run
+per stage (training runs named by method and seed; online cells by method, N and seed).
+A nested run lives in its parent's experiment; a stage run without a parent (`ggpo stage`)
+in its flow's experiment.
 
 Runs are addressed by id through `MlflowClient`, never through mlflow's thread-local
 active-run stack, because Prefect may run tasks in worker threads. Per-update metrics
@@ -26,6 +30,8 @@ from pipeline import paths
 from pipeline.store import Manifest
 
 EXPERIMENT = "ggpo-offline"
+EXPERIMENTS = {"offline": EXPERIMENT, "online": "ggpo-online"}
+ONLINE_STAGES = ("online_pool", "online_train")
 ARTIFACT_LIMIT = 64 * 1024 * 1024     # larger files are referenced by path and hash
 # Without this tag MLflow 3's UI opens the experiment in its GenAI view (traces, sessions) and
 # files training runs under "Evaluation runs"; this value selects the model-training view.
@@ -55,15 +61,15 @@ def client():
     return MlflowClient(tracking_uri=tracking_uri())
 
 
-def experiment_id(c) -> str:
+def experiment_id(c, name: str = EXPERIMENT) -> str:
     """The experiment's id, created if missing, always tagged as a model-training experiment."""
-    exp = c.get_experiment_by_name(EXPERIMENT)
+    exp = c.get_experiment_by_name(name)
     if exp is None:
         location = None if c.tracking_uri.startswith("http") else paths.mlflow_artifacts().as_uri()
         try:
-            return c.create_experiment(EXPERIMENT, artifact_location=location, tags={KIND_TAG: KIND})
+            return c.create_experiment(name, artifact_location=location, tags={KIND_TAG: KIND})
         except Exception:  # created concurrently by another process
-            exp = c.get_experiment_by_name(EXPERIMENT)
+            exp = c.get_experiment_by_name(name)
     if exp.tags.get(KIND_TAG) != KIND:     # experiments made before the tag, or re-kinded in the UI
         c.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
     return exp.experiment_id
@@ -74,12 +80,52 @@ def runs_url(server: str, exp_id: str) -> str:
     return f"{server.rstrip('/')}/#/experiments/{exp_id}/runs?{RUNS_VIEW_QUERY}"
 
 
-def experiment_link(server: str) -> str:
-    """Create (or re-tag) the experiment on the MLflow server at `server` and return the
-    link to its runs and charts, so the first page a user opens is the right one."""
+def experiment_link(server: str, flow: str = "offline") -> str:
+    """Create (or re-tag) the flow's experiment on the MLflow server at `server` and return
+    the link to its runs and charts, so the first page a user opens is the right one."""
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     from mlflow import MlflowClient
-    return runs_url(server, experiment_id(MlflowClient(tracking_uri=server)))
+    return runs_url(server, experiment_id(MlflowClient(tracking_uri=server), EXPERIMENTS[flow]))
+
+
+def run_link(run_id: str, exp_id: str, server: str | None = None) -> str | None:
+    """A run's page in the model-training layout (None when tracking is not a server)."""
+    server = server or tracking_uri()
+    if not server.startswith("http"):
+        return None
+    return f"{server.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def git_commit() -> str:
+    """The project's commit (+"-dirty" with uncommitted changes), or "unknown"."""
+    import subprocess
+    root = paths.PROJECT_ROOT
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def run_title(flow: str, preset: str, overrides: dict[str, Any], cfg) -> str:
+    """`offline tiny lr=1e-4 N=[1,4] · 2026-11-30 14:02`: the flow, the preset, what --set
+    changed (experiment fields aside) and the grid, and when."""
+    from pipeline.grid import fmt, short_names
+    changed = {k: v for k, v in (overrides or {}).items() if not k.startswith("experiment.") and k != "seed"}
+    names = short_names({**changed, **cfg.experiment.grid})
+    parts = [flow, preset] + [f"{names[k]}={fmt(v)}" for k, v in changed.items()]
+    parts += [f"{names[k]}=[{','.join(fmt(x) for x in v)}]" for k, v in cfg.experiment.grid.items()]
+    return " ".join(parts) + " · " + time.strftime("%Y-%m-%d %H:%M")
+
+
+def run_tags(flow: str, preset: str, cfg, flow_run_id: str = "") -> dict[str, str]:
+    exp = cfg.experiment
+    return {"ggpo.flow": flow, "ggpo.preset": preset, "ggpo.methods": ",".join(exp.methods),
+            "ggpo.seeds": ",".join(map(str, exp.seeds)), "ggpo.grid": json.dumps(exp.grid),
+            "ggpo.git_commit": git_commit(), "prefect.flow_run_id": flow_run_id}
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -116,15 +162,17 @@ def _log_params_metrics(c, run_id: str, params: dict[str, str], metrics: list[tu
 
 
 @contextmanager
-def parent_run(run_name: str, params: dict[str, Any], tags: dict[str, str]) -> Iterator[tuple[Any, str]]:
+def parent_run(run_name: str, params: dict[str, Any], tags: dict[str, str],
+               experiment: str = EXPERIMENT) -> Iterator[tuple[Any, str]]:
     """A parent run for one flow run; FAILED if the body raises."""
     c = client()
-    run = c.create_run(experiment_id(c), run_name=run_name, tags=tags)
+    run = c.create_run(experiment_id(c, experiment), run_name=run_name, tags=tags)
     log_params_metrics(c, run.info.run_id, flatten(params), [])
     try:
         yield c, run.info.run_id
     except BaseException:
-        c.set_terminated(run.info.run_id, "FAILED")
+        from pipeline import interrupt
+        c.set_terminated(run.info.run_id, "KILLED" if interrupt.requested() else "FAILED")
         raise
     c.set_terminated(run.info.run_id, "FINISHED")
 
@@ -146,9 +194,12 @@ def _log_stage(manifest: Manifest, run_name: str, parent_run_id: str | None = No
             "ggpo.cache_hit": str(manifest.cache_hit).lower(), "ggpo.folder": manifest.folder}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
+        exp_id = c.get_run(parent_run_id).info.experiment_id
+    else:
+        exp_id = experiment_id(c, EXPERIMENTS["online" if manifest.stage in ONLINE_STAGES else "offline"])
     # string summaries (e.g. the group-order hash that shows two runs saw the same data)
     tags |= {f"ggpo.{k}": str(v) for k, v in manifest.summary.items() if isinstance(v, str)}
-    run_id = c.create_run(experiment_id(c), run_name=run_name, tags=tags).info.run_id
+    run_id = c.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
     try:
         metrics = summary_metrics(manifest.summary) + [("stage_seconds", manifest.seconds, 0)]
         if manifest.stage == "train":

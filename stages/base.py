@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline import tasks
+from pipeline import interrupt, tasks
 from pipeline.config import ModelConfig, PipelineConfig
 from pipeline.engines import SamplingParams
 from pipeline.engines.hf import TransformersEngine
 from pipeline.grading import grade_many, warm_up
+from pipeline.progress import Progress
 from pipeline.schemas import write_parquet
 from pipeline.seeding import derive_seed
 from pipeline.stage import Built, StageSpec, run_stage
@@ -97,16 +98,21 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
     engine.tokenizer, engine.model, engine.batch_prompts, engine.device = tok, model, 64, torch.device("cpu")
     log = {"step": [], "loss": [], "lr": [], "sampled_accuracy": []}
     acc, step = 0.0, 0
-    for step in range(1, mc.sft_max_steps + 1):
-        model.train()
-        loss = sft_step(model, opt, tok, [next(stream) for _ in range(mc.sft_batch_size)], lr_at(step - 1, mc))
-        acc = float("nan")
-        if step % mc.sft_check_every == 0 or step == mc.sft_max_steps:
-            acc = accuracy(engine, check, mc.check_samples, 1.0, derive_seed(mc.init_seed, f"sft/check{step}"))
-        for k, v in zip(log, (step, loss, lr_at(step - 1, mc), acc)):
-            log[k].append(v)
-        if acc >= mc.target_accuracy:
-            break
+    # the count is an upper bound: warm-up stops once the sampled accuracy reaches the target
+    with Progress("base: warm-up (stops at the target accuracy)", total=mc.sft_max_steps, unit="step") as bar:
+        for step in range(1, mc.sft_max_steps + 1):
+            interrupt.check(f"base warm-up at step {step - 1} (it starts over)")
+            model.train()
+            loss = sft_step(model, opt, tok, [next(stream) for _ in range(mc.sft_batch_size)], lr_at(step - 1, mc))
+            acc = float("nan")
+            if step % mc.sft_check_every == 0 or step == mc.sft_max_steps:
+                acc = accuracy(engine, check, mc.check_samples, 1.0, derive_seed(mc.init_seed, f"sft/check{step}"))
+                bar.set_postfix(sampled_accuracy=f"{acc:.2f}", target=mc.target_accuracy)
+            for k, v in zip(log, (step, loss, lr_at(step - 1, mc), acc)):
+                log[k].append(v)
+            bar.update(1, loss=f"{loss:.3f}")
+            if acc >= mc.target_accuracy:
+                break
     greedy = accuracy(engine, check, 1, 0.0, 0)
     tmp = folder / "model.tmp"
     save(model, tok, tmp)

@@ -52,6 +52,53 @@ def sigkill_after_checkpoint(argv: list[str], ckpt_dir: Path, first: int, stop: 
     return proc
 
 
+INTERRUPT_SET = ["train.updates=60", "train.checkpoint_every=5", "experiment.methods=[grpo]"]
+
+
+def interrupt_offline_run(env: dict, seed: int, extra: list[str], deployment: bool = False):
+    """`ggpo run offline --preset smoke` (60 updates of grpo), SIGINT at a random moment of
+    its training (a seeded delay after the first checkpoint), then the same command again:
+    (interrupted process, its stderr, the checkpoint it left, the rerun). `extra`: --set
+    options that give each test its own training run; deployment: through ggpo/offline."""
+    import random
+    import signal
+    import subprocess
+    import time
+    from pipeline import dag
+    from pipeline.config import load_config
+    from pipeline.store import Store
+    from stages.train import checkpoint
+    sets = INTERRUPT_SET + extra
+    argv = [str(BIN / "ggpo"), "run", "offline", "--preset", "smoke"] + [a for x in sets for a in ("--set", x)]
+    argv += ["--deployment"] if deployment else []
+    cfg = load_config("smoke", sets + ["train.method=grpo"])
+    folder = Store().folder("train", dag.expected_key("train", cfg))
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600       # a safety net for a hung run, not a verdict
+    while time.monotonic() < deadline and proc.poll() is None:
+        if (folder / "checkpoints" / checkpoint.NAME).exists():
+            break
+        time.sleep(0.05)
+    time.sleep(random.Random(seed).uniform(0.0, 2.0))
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=600)
+    state = checkpoint.load(folder / "checkpoints")
+    rerun = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return proc, err, state, rerun
+
+
+def assert_interrupted_cleanly(proc, err: str, state: dict | None, rerun) -> None:
+    """Exit 130, one `ggpo:` line (the last), no traceback, a checkpoint; the rerun resumes."""
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert proc.returncode == 130, err[-3000:]
+    assert [ln for ln in lines if ln.startswith("ggpo:")] == [lines[-1]], err[-3000:]
+    assert lines[-1].startswith("ggpo: interrupted (") and lines[-1].endswith("); rerun resumes"), lines[-1]
+    assert "Traceback" not in err
+    assert state is not None and 1 <= state["update"] < 60
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming after update {state['update']}" in rerun.stderr + rerun.stdout
+
+
 @pytest.fixture(scope="session")
 def smoke_cfg():
     from pipeline.config import load_config

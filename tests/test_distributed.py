@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from pipeline import dag
 from pipeline.config import ConfigError, load_config
-from pipeline.runtime import preflight
+from pipeline.preflight import preflight
 from pipeline.store import MANIFEST, Store
 from stages import train
 from stages.train import checkpoint, distributed

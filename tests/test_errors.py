@@ -93,3 +93,26 @@ def test_editing_a_task_file_changes_the_keys_of_its_readers(tmp_path):
     assert all(after[s] != before[s] for s in before)
     builtin = load_config("smoke")
     assert dag.expected_key("rollout", builtin) == dag.expected_key("rollout", load_config("smoke"))
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("task.name={tmp}/empty.jsonl", "empty.jsonl: missing required column 'problem'"),
+    ("task.name={tmp}/broken.jsonl", "broken.jsonl: line 2 is not valid JSON"),
+    ("task.name={tmp}/noanswer.jsonl", "noanswer.jsonl: 2 of 2 rows have no usable problem or answer"),
+    ("train.lr=minus-one", "train.lr: Input should be a valid number"),
+    ("trian.lr=1e-5", "trian: Extra inputs are not permitted"),
+])
+def test_bad_input_to_a_flow_is_one_line_before_anything_starts(tmp_path, bad, says):
+    """`ggpo run` checks config and data before it starts Prefect, MLflow, a grading worker
+    or a model: one line on stderr, nothing else anywhere (no Prefect or event noise)."""
+    import subprocess
+    from conftest import BIN, REPO
+    (tmp_path / "empty.jsonl").write_text("")
+    write_jsonl(tmp_path / "broken.jsonl", [{"problem": "1+1", "answer": "2"}], bad_line=2)
+    write_jsonl(tmp_path / "noanswer.jsonl", [{"problem": "1+1", "answer": ""}, {"problem": "", "answer": "3"}])
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    res = subprocess.run([str(BIN / "ggpo"), "run", "offline", "--preset", "smoke", "--set", bad.format(tmp=tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and res.stdout == "", res.stdout
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("ggpo: ") and says in res.stderr, res.stderr
+    assert "prefect" not in res.stderr.lower() and "Traceback" not in res.stderr

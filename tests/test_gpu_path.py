@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import ConfigError, load_config
-from pipeline.runtime import make_runtime, preflight
+from pipeline.preflight import preflight
+from pipeline.runtime import make_runtime
 from pipeline.store import Store
 from stages import train
 from stages.train import loop
@@ -198,3 +199,30 @@ def test_pool_records_engine_trainer_mismatch(pool, logit_scale):
     assert 0 <= summary["mismatch_k3"] <= tol ** 2 / 2
     assert summary["mismatch_abs_log_ratio"] <= tol
     assert summary["mismatch_ratio_outside_0.9_1.1"] == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA messages")
+def test_every_missing_prerequisite_of_a_preset_in_one_list(tmp_path):
+    """The paper preset on a CPU machine with a bad model and task path: device, engine,
+    model and data are all named at once, not one run each."""
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config("qwen3-1.7b", ["model.name_or_path=/nonexistent/model",
+                                              f"task.name={tmp_path}/none.parquet"]))
+    text = str(err.value)
+    assert text.startswith("4 prerequisites are missing:"), text
+    for needle in ("train.device=cuda but this torch", "rollout.engine=vllm needs vLLM",
+                   "model.name_or_path=/nonexistent/model: no such folder", "none.parquet does not exist"):
+        assert needle in text, (needle, text)
+
+
+def test_a_hub_id_that_cannot_be_resolved_is_refused_in_preflight(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")       # as on a machine without internet
+    with pytest.raises(ConfigError, match=r"model.name_or_path=Qwen/Qwen3-1.7B-Base: not a local folder, and the "
+                                          r"hub id cannot be resolved here"):
+        preflight(load_config("smoke", ["model.name_or_path=Qwen/Qwen3-1.7B-Base"]))
+
+
+def test_top_p_below_one_is_refused_where_behavior_logprobs_matter():
+    with pytest.raises(ConfigError, match=r"rollout.top_p=0.9 with train.method=grpo_tis: behavior log-probs"):
+        preflight(load_config("smoke", ["rollout.top_p=0.9", "train.method=grpo_tis"]))
+    preflight(load_config("smoke", ["rollout.top_p=0.9", "train.method=ggpo"]))     # GGPO reads none

@@ -136,9 +136,10 @@ def test_sigkill_mid_round_then_rerun_equals_uninterrupted(tmp_path, base_manife
     ({"online.max_draws": 1, "online.draw_prompts": 4}, r"online.max_draws x draw size = 4 prompts can never fill"),
 ])
 def test_online_geometry_is_checked_before_any_work(overrides, message):
-    from flows.online import check_online
-    with pytest.raises(ConfigError, match=message):
-        check_online(load_config("smoke-online", overrides), "cell")
+    from pipeline.preflight import check_run
+    with pytest.raises(ConfigError, match=message) as err:     # every cell: said once
+        check_run("online", "smoke-online", overrides)
+    assert "\n" not in str(err.value)
 
 
 def test_ggpo_stage_names_the_missing_round():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, free_port
+from conftest import BIN, REPO, assert_interrupted_cleanly, free_port, interrupt_offline_run
 
 pytestmark = pytest.mark.servers
 
@@ -110,13 +110,15 @@ def test_online_deployment_runs_then_is_all_cache_hits(services):
         res = run_online(services)
         assert res.returncode == 0 and "Completed" in res.stdout, (attempt, res.stdout[-3000:] + res.stderr[-3000:])
     mlflow = services["urls"]["mlflow"]
-    exp_id = api(mlflow, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=ggpo-offline")["experiment"]["experiment_id"]
+    exp_id = api(mlflow, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=ggpo-online")["experiment"]["experiment_id"]
     parents = runs_of(mlflow, exp_id, "tags.`ggpo.preset` = 'smoke-online'")
+    assert all(p["info"]["run_name"].startswith("online smoke-online · ") and tag(p, "ggpo.methods") == "grpo,ggpo"
+               and tag(p, "ggpo.seeds") == "42" and len(tag(p, "ggpo.git_commit")) >= 40 for p in parents)
     assert len(parents) == 2 and all(p["info"]["status"] == "FINISHED" for p in parents)
     for parent, hit in ((parents[1], 0.0), (parents[0], 1.0)):       # newest first
         children = runs_of(mlflow, exp_id, f"tags.mlflow.parentRunId = '{parent['info']['run_id']}'")
         cells = {r["info"]["run_name"]: r for r in children if tag(r, "ggpo.stage") == "online"}
-        assert sorted(cells) == ["ggpo-seed42", "grpo-seed42"]
+        assert sorted(cells) == ["ggpo N=2 seed=42", "grpo N=2 seed=42"]
         for run in cells.values():
             assert [v for _, v in history(mlflow, run, "round/cache_hit_train")] == [hit, hit]     # 2 rounds of N = 2
             spent = history(mlflow, run, "train/responses_generated")
@@ -161,3 +163,30 @@ def test_up_refuses_a_taken_port_and_starts_nothing(tmp_path):
     assert res.returncode == 2
     assert f"port {port}" in res.stderr and "taken" in res.stderr and "Nothing was started" in res.stderr
     assert not (home / "services.json").exists() and not (home / "logs").exists()
+
+
+def latest_flow_run(state) -> dict:
+    return api(state["urls"]["prefect_api"], "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 1})[0]
+
+
+def test_sigint_with_servers_up_cancels_the_flow_run(services):
+    """`ggpo run` on ggpo's Prefect server: Ctrl-C ends the flow run Cancelled there."""
+    env = os.environ | {"PREFECT_API_URL": services["urls"]["prefect_api"]}
+    proc, err, state, rerun = interrupt_offline_run(env, seed=2, extra=["train.lr=3e-5"])
+    assert_interrupted_cleanly(proc, err, state, rerun)
+    assert latest_flow_run(services)["state_type"] == "COMPLETED"          # the rerun
+    runs = api(services["urls"]["prefect_api"], "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 2})
+    assert runs[1]["state_type"] == "CANCELLED" and "interrupted (train grpo" in runs[1]["state"]["message"]
+
+
+def test_ctrl_c_on_the_deployment_cancels_its_work(services):
+    """`ggpo run offline --deployment` (what make demo runs): its logs stream here; Ctrl-C
+    cancels the Prefect run, the serve process's run stops at its safe points, checkpoints
+    and ends Cancelled; the next run resumes from the checkpoint."""
+    proc, err, state, rerun = interrupt_offline_run(os.environ, seed=3, extra=["train.lr=4e-5"], deployment=True)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("ggpo: interrupted (train grpo seed 42 at update "), err[-3000:]
+    assert state is not None and 1 <= state["update"] < 60
+    assert rerun.returncode == 0 and f"resuming after update {state['update']}" in rerun.stdout, rerun.stdout[-3000:]
+    runs = api(services["urls"]["prefect_api"], "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 2})
+    assert [r["state_type"] for r in runs] == ["COMPLETED", "CANCELLED"]

@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from pipeline import interrupt
 from pipeline.engines import LOGPROBS_MODE, Completion, SamplingParams
 from pipeline.hf import load_model, load_tokenizer
 
@@ -88,6 +89,7 @@ class TransformersEngine:
         past, step_ids, step_pos = None, input_ids, pos
         cache_kw = _cache_kwarg(model)
         for _ in range(params.max_new_tokens):
+            interrupt.check("generation")        # a safe point: nothing of this batch is kept
             res = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
                         use_cache=True, **{cache_kw: past})
             logits = res.logits[:, -1, :].float()

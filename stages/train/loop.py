@@ -23,6 +23,7 @@ from pathlib import Path
 import polars as pl
 import torch
 
+from pipeline import interrupt
 from pipeline.config import PipelineConfig, TrainConfig
 from pipeline.hf import load_model
 from pipeline.progress import Progress
@@ -195,6 +196,8 @@ def run_update(model, reference, pool: Pool, groups: list[int], cfg: PipelineCon
             "success_ess_sum": 0.0, "success_ess_count": 0}
     rt = runtime or make_runtime(tc)
     for chunk, real in my_micro_batches(pool, groups, tc):
+        if interrupt.requested() and distributed.current() is None:   # ranks stop together or not at all
+            raise interrupt.Interrupted("mid-update")     # the update is dropped; the caller checkpoints
         loss, metrics, ent, stats = micro_batch_loss(model, reference, pool, chunk, tc, cfg.rollout.temperature,
                                                      pad_id, t_tot, len(groups) * m, lp_old, rt)
         if not real:             # a rank's padding pass: collectives only, no contribution
@@ -341,9 +344,17 @@ def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, fold
     with Progress(desc, total=stop, unit="update", start=st.update) as bar:
         while st.update < stop:
             u = st.update
-            if tc.needs_step_anchor() and u % tc.updates_per_step == 0:
-                st.lp_old = step_anchor(st.model, pool, step_groups_of(u), cfg, pad_id, rt)
-            row = one_update(st, pool, groups_of(u), cfg, pad_id, rt, ckpt_dir)
+            try:
+                if interrupt.requested() and distributed.current() is None:
+                    raise interrupt.Interrupted("between updates")
+                if tc.needs_step_anchor() and u % tc.updates_per_step == 0:
+                    st.lp_old = step_anchor(st.model, pool, step_groups_of(u), cfg, pad_id, rt)
+                row = one_update(st, pool, groups_of(u), cfg, pad_id, rt, ckpt_dir)
+            except interrupt.Interrupted:
+                # the state after the last complete update: a rerun resumes exactly there
+                st.opt.zero_grad(set_to_none=True)
+                save_checkpoint(st, ckpt_dir, tc)
+                raise interrupt.stopped(f"{desc} at update {st.update}") from None
             st.rows.append(row)
             if u + 1 in snapshots and u + 1 < stop:
                 save_policy(st.model, tokenizer, snapshot_dir(folder, u + 1))
