@@ -14,7 +14,6 @@ store's content keys decide what is recomputed, the same with or without a serve
 from __future__ import annotations
 
 import logging
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -158,15 +157,15 @@ def write_benchmark_report(finals: list[pl.DataFrame], cfg: PipelineConfig, fold
 
 
 def log_report(client, parent: str, records: list[dict], curves: list[pl.DataFrame], finals: list[pl.DataFrame],
-               cfg: PipelineConfig) -> dict:
+               cfg: PipelineConfig, folder: Path) -> dict:
+    """The report's files into `folder` and the parent run's report/; its metrics."""
     evals = pl.DataFrame(records)
     metric = f"mean@{cfg.eval.n_samples}"
-    with tempfile.TemporaryDirectory() as tmp:
-        paths = report.write(evals, pl.concat(curves), Path(tmp), metric)
-        extra = write_benchmark_report(finals, cfg, Path(tmp))
-        for path in list(paths.values()) + extra:
-            client.log_artifact(parent, str(path), artifact_path="report")
-        table = paths["markdown"].read_text() + "\n" + extra[0].read_text() + "\n" + extra[2].read_text()
+    paths = report.write(evals, pl.concat(curves), folder, metric)
+    extra = write_benchmark_report(finals, cfg, folder)
+    for path in list(paths.values()) + extra:
+        client.log_artifact(parent, str(path), artifact_path="report")
+    table = paths["markdown"].read_text() + "\n" + extra[0].read_text() + "\n" + extra[2].read_text()
     by = report.label_column(evals)        # "cell" with a grid, else "method"
     final = evals.filter(pl.col("update") == pl.col("update").max().over(by))
     summary = {f"final_{metric.replace('@', '_at_')}/{grid.slug(m)}": float(final.filter(pl.col(by) == m)["accuracy"].mean())
@@ -218,11 +217,14 @@ def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: l
                 step("base", cfg, {}, "base")
                 pending = [p for seed in seeds for p in submit_seed(step, [c for c in cells if c.seed == seed])]
                 records, curves, finals = collect(pending, cfg)
-                result = log_report(client, parent, records, curves, finals, cfg)
+                folder = tracking.report_folder("offline", preset)
+                result = log_report(client, parent, records, curves, finals, cfg, folder)
         except Exception:
             if not interrupt.requested():
                 raise
             return cancelled(step)
     publish_report(result, records, preset)
-    print(result["table"])
-    return result | {"mlflow_parent_run_id": parent, "records": records}
+    link = tracking.run_link(parent, client.get_run(parent).info.experiment_id)
+    print(f"{result['table']}\nreport files: {folder}\nMLflow parent run: {link or parent}")
+    return result | {"mlflow_parent_run_id": parent, "records": records, "report_folder": str(folder),
+                     "mlflow_link": link}

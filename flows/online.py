@@ -126,15 +126,12 @@ def collect(cells: list[Cell], rounds: dict, evals: list, cfg: PipelineConfig, c
     key, records, curves = f"mean_at_{cfg.eval.n_samples}", [], []
     for stub, future in evals:
         cell, m = stub["cell"], future.result()
-        records.append(online_report.columns(cell, cfg) | {"seed": cell.seed, "update": stub["update"],
-                                                            "accuracy": m.summary[key]})
+        records.append(online_report.record(cell, cfg, stub["update"], m))
         run = runs[cell_name(cell)]
         tracking.log_params_metrics(client, run, {}, [(f"eval/{key}", m.summary[key], stub["update"])])
     for i, cell in enumerate(cells):
         manifests = [f.result() for f in rounds[i]]
-        curves.append(pl.concat([pl.read_parquet(m.path("metrics")) for m in manifests])
-                      .with_columns(**{k: pl.lit(v) for k, v in online_report.columns(cell, cfg).items()},
-                                    seed=pl.lit(cell.seed)))
+        curves.append(online_report.cell_curves(cell, cfg, manifests))
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "rounds.json"
             path.write_text(json.dumps([{"stage": m.stage, "key": m.key, "folder": m.folder, "summary": m.summary}
@@ -167,11 +164,14 @@ def ggpo_online(preset: str = "tiny-online", overrides: dict[str, Any] | None = 
                 step = OnlineRunner(set(force or []), parent, runs)
                 rounds, evals = submit_all(step, cells)
                 evaluations, curves = collect(cells, rounds, evals, cfg, client, runs)
-                result = online_report.log(client, parent, evaluations, curves, cfg)
+                folder = tracking.report_folder("online", preset)
+                result = online_report.log(client, parent, evaluations, curves, cfg, folder)
         except Exception:
             if not interrupt.requested():
                 raise
             return cancelled(step)
     publish_report(result, evaluations.to_dicts(), preset)
-    print(result["table"])
-    return result | {"mlflow_parent_run_id": parent, "records": evaluations.to_dicts()}
+    link = tracking.run_link(parent, client.get_run(parent).info.experiment_id)
+    print(f"{result['table']}\nreport files: {folder}\nMLflow parent run: {link or parent}")
+    return result | {"mlflow_parent_run_id": parent, "records": evaluations.to_dicts(), "report_folder": str(folder),
+                     "mlflow_link": link}

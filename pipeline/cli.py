@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import urllib.request
+from pathlib import Path
 
 from pipeline import dag, interrupt, paths, services
 from pipeline.config import PRESET_DIR, ConfigError, load_config, parse_overrides, preset_names
@@ -39,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--prefect-port", type=int, default=None)
     up.add_argument("--mlflow-port", type=int, default=None)
     sub.add_parser("down", help="stop them")
+    sub.add_parser("env", help="print the export lines that point the prefect CLI and MLflow clients at ggpo's "
+                               "servers: eval \"$(ggpo env)\"")
     sub.add_parser("status", help="are they up and healthy")
     run = sub.add_parser("run", help="run a flow in this process")
     run.add_argument("flow", choices=["offline", "online"])
@@ -77,6 +80,23 @@ def cmd_up(args) -> int:
     print(f"  MLflow runs and charts: {tracking.experiment_link(state['urls']['mlflow'])} (offline)\n"
           f"                          {tracking.experiment_link(state['urls']['mlflow'], 'online')} (online)")
     print("  deployments: ggpo/offline, ggpo/online  (prefect deployment run ggpo/offline --watch)")
+    print_exports(state)
+    return 0
+
+
+def print_exports(state: dict) -> None:
+    """The prefect CLI reads prefect.toml (port 4200) and knows nothing of other ports."""
+    if state["ports"]["prefect"] != paths.DEFAULT_PORTS["prefect"] or state["ports"]["mlflow"] != paths.DEFAULT_PORTS["mlflow"]:
+        print("  other ports than 4200/5000: in another shell, before `prefect deployment run ...`:\n    "
+              + "\n    ".join(services.exports()) + "\n  (or: eval \"$(ggpo env)\")")
+
+
+def cmd_env(args) -> int:
+    lines = services.exports()
+    if not lines:
+        print("ggpo: no servers recorded here (ggpo up starts them)", file=sys.stderr)
+        return 1
+    print("\n".join(lines))
     return 0
 
 
@@ -88,6 +108,7 @@ def cmd_status(args) -> int:
     for name, s in state["services"].items():
         print(f"  {name:8s} pid {s['pid']:>7}  {'healthy' if s['healthy'] else 'NOT healthy'}")
     print(f"  Prefect UI: {state['urls']['prefect_ui']}\n  MLflow UI:  {state['urls']['mlflow']}")
+    print_exports(state)
     return 0 if all(s["healthy"] for s in state["services"].values()) else 1
 
 
@@ -102,6 +123,9 @@ def cmd_run(args) -> int:
     check_run(args.flow, args.preset, _overrides(args), args.force)
     if args.deployment:
         return run_deployment(args)
+    # Prefect's state and result pickles under $GGPO_HOME, not ~/.prefect
+    os.environ.setdefault("PREFECT_HOME", str(paths.state_dir() / "prefect"))
+    os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(paths.state_dir() / "prefect" / "storage"))
     ensure_prefect_api()
     from pipeline import stage
     if args.flow == "online":
@@ -126,7 +150,8 @@ def cmd_run(args) -> int:
         raise cause from exc
     print(result["table"])
     print(json.dumps(result["summary"], indent=2))
-    print(f"MLflow parent run {result['mlflow_parent_run_id']}")
+    print(f"report files: {result['report_folder']}")
+    print(f"MLflow parent run: {result['mlflow_link'] or result['mlflow_parent_run_id']}")
     return 0
 
 
@@ -201,18 +226,25 @@ def _overrides(args) -> dict:
 
 
 def ensure_prefect_api() -> None:
-    """Use the local server when it answers; else start Prefect's temporary server and point
-    PREFECT_API_URL at it, never at the dead URL of prefect.toml.
+    """Use $PREFECT_API_URL when it answers, else the server `ggpo up` started (its port is
+    recorded, so a new shell finds it), else start Prefect's temporary server and point
+    PREFECT_API_URL at it, never at the dead URL of prefect.toml. A server on ggpo's port
+    that `ggpo up` did not start is named and left alone.
 
     Must run before `import prefect`: Prefect reads its settings once, at import.
     Why not leave the URL empty: Prefect 3.9 treats PREFECT_API_URL="" as "no server" for
     flow runs (it starts its temporary server) but as "a running server" for events, so
     every event went to a websocket at "" and failed ("Error emitting event", "Service
     'EventsWorker' failed"). With one explicit URL both go to the same temporary server."""
-    url = os.environ.get("PREFECT_API_URL") or f"http://127.0.0.1:{paths.prefect_port()}/api"
-    if services.healthy(f"{url}/health"):
+    explicit = os.environ.get("PREFECT_API_URL")
+    url = explicit if explicit and services.healthy(f"{explicit}/health") else services.ours("prefect")
+    if url:
         os.environ["PREFECT_API_URL"] = url
         return
+    probe = f"http://127.0.0.1:{paths.prefect_port()}/api"
+    if services.healthy(f"{probe}/health"):
+        print(f"ggpo: note: {services.foreign(probe, 'Prefect')}; using a temporary one "
+              f"(PREFECT_API_URL={probe} would use it)", file=sys.stderr)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_HOME", str(paths.state_dir() / "prefect"))
@@ -334,10 +366,36 @@ def preset_experiment_keys() -> set[tuple[str, str]]:
 
 
 def cmd_report(args) -> int:
-    from pipeline import report, tracking
-    cfg = load_config(args.preset, _overrides(args))
-    evals, _, timings = report.from_cache(cfg, Store())
-    print(f"stage timings (preset {args.preset}; seconds each took when it was built):")
+    """The experiment's stage timings and tables, from the cache the flow wrote (the flow is
+    the preset's experiment.flow; online: the flow's report tables, byte for byte)."""
+    from pipeline import tracking
+    from pipeline.preflight import flow_overrides
+    cfg = load_config(args.preset, flow_overrides(args.overrides))
+    flow = cfg.experiment.flow
+    if flow == "online":
+        from pipeline import online_report
+        evals, curves, timings = online_report.from_cache(cfg, Store())
+    else:
+        from pipeline import report
+        evals, _, timings = report.from_cache(cfg, Store())
+    print_timings(args.preset, timings)
+    if not evals.height:
+        print("nothing evaluated yet for this experiment: run it with "
+              f"`ggpo run {flow} --preset {args.preset}` (and the same --set options)")
+    elif flow == "online":
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            table, _ = online_report.write(evals, curves, Path(tmp), f"mean@{cfg.eval.n_samples}")
+        print(table)
+    else:
+        print(report.markdown(report.summarize(evals), f"mean@{cfg.eval.n_samples}"))
+    print(f"MLflow: {tracking.tracking_uri()} (experiment {tracking.EXPERIMENTS[flow]})")
+    return 0
+
+
+def print_timings(preset: str, timings: list[tuple[str, float | None]]) -> None:
+    """Seconds each stage took when it was built, summed per kind of stage."""
+    print(f"stage timings (preset {preset}; seconds each took when it was built):")
     groups: dict[str, list[float]] = {}
     for label, seconds in timings:
         groups.setdefault(label.split(" seed ")[0], []).append(seconds)
@@ -346,10 +404,6 @@ def cmd_report(args) -> int:
         missing = f"  ({len(values) - len(built)} not built)" if len(built) < len(values) else ""
         print(f"  {label:22s} {sum(built):8.1f}s  over {len(built)} run(s){missing}")
     print(f"  {'total':22s} {sum(v for _, v in timings if v is not None):8.1f}s\n")
-    if evals.height:
-        print(report.markdown(report.summarize(evals), f"mean@{cfg.eval.n_samples}"))
-    print(f"MLflow: {tracking.tracking_uri()} (experiment {tracking.EXPERIMENT})")
-    return 0
 
 
 def cmd_down(args) -> int:
@@ -357,7 +411,7 @@ def cmd_down(args) -> int:
     return 0
 
 
-COMMANDS = {"up": cmd_up, "down": cmd_down,
+COMMANDS = {"up": cmd_up, "down": cmd_down, "env": cmd_env,
             "status": cmd_status, "run": cmd_run, "stage": cmd_stage, "cache": cmd_cache, "report": cmd_report}
 
 

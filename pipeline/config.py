@@ -173,6 +173,8 @@ DEFAULT_T_REF: dict[str, int | None] = {"grpo": None, "grpo_tis": None, "agro": 
 class ExperimentConfig(Section):
     """What the flow compares: every method trains on each seed's pool (spec 8.4), at
     every point of `grid` (pipeline/grid.py expands and validates the cells)."""
+    # which flow the preset's experiment is (ggpo report reads that flow's artifacts)
+    flow: Literal["offline", "online"] = "offline"
     # method names, or names defined in `variants`
     methods: list[str] = ["grpo"]
     seeds: list[int] = [42]

@@ -18,7 +18,6 @@ seeds; ± is the sample std (ddof 1) where there is more than one seed.
 from __future__ import annotations
 
 import math
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,54 @@ def columns(cell: grid.Cell, cfg: PipelineConfig) -> dict[str, Any]:
         if field not in ("cell", "train.updates_per_step", "train.t_ref"):
             out[field] = value
     return out
+
+
+def record(cell: grid.Cell, cfg: PipelineConfig, update: int, evaluation) -> dict[str, Any]:
+    """One evaluation row: the cell's columns, seed, update and accuracy (mean@n)."""
+    return columns(cell, cfg) | {"seed": cell.seed, "update": update,
+                                 "accuracy": evaluation.summary[f"mean_at_{cfg.eval.n_samples}"]}
+
+
+def cell_curves(cell: grid.Cell, cfg: PipelineConfig, rounds: list) -> pl.DataFrame:
+    """A cell's per-update rows (ONLINE_METRICS of every round's training) with its columns."""
+    return (pl.concat([pl.read_parquet(m.path("metrics")) for m in rounds])
+            .with_columns(**{k: pl.lit(v) for k, v in columns(cell, cfg).items()}, seed=pl.lit(cell.seed)))
+
+
+def from_cache(cfg: PipelineConfig, store) -> tuple[pl.DataFrame, pl.DataFrame, list[tuple[str, float | None]]]:
+    """(evaluations, curves, stage timings) of the online experiment `cfg` describes, read
+    from the store by the keys the flow builds (dag.online_experiment_keys): the same
+    tables the flow reports. A cell whose rounds are not all built contributes what is."""
+    from pipeline import dag
+    from stages.online_train import eval_points
+    records, curves, timings, seen = [], [], [], set()
+
+    def load(stage: str, c: PipelineConfig, key: str | None = None):
+        key = key or dag.expected_key(stage, c)
+        m = store.load(stage, key)
+        if (stage, key) not in seen:
+            seen.add((stage, key))
+            timings.append((stage, m.seconds if m else None))
+        return m
+    load("base", cfg)
+    for cell in grid.cells(cfg):
+        c, tc = cell.config, cell.config.train
+        base_eval = load("evaluate", c.updated({"eval.target": "base"}))
+        records += [record(cell, cfg, 0, base_eval)] if base_eval else []
+        rounds = []
+        for r in range(tc.updates // tc.updates_per_step):
+            keys = dag.online_keys(c, r)
+            pool, trained = load("online_pool", c, keys["online_pool"]), load("online_train", c, keys["online_train"])
+            if trained is None:
+                break
+            rounds.append(trained)
+        for r, update, at in eval_points(tc):
+            if r < len(rounds):
+                e = load("evaluate", c.updated({"eval.target": "online_train", "online.round": r, "eval.update": update}))
+                records += [record(cell, cfg, at, e)] if e else []
+        if rounds:
+            curves.append(cell_curves(cell, cfg, rounds))
+    return (pl.DataFrame(records), pl.concat(curves, how="diagonal_relaxed") if curves else pl.DataFrame(), timings)
 
 
 def finals(evals: pl.DataFrame) -> pl.DataFrame:
@@ -192,14 +239,14 @@ def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) 
     return table, [folder / "report.md"] + paths
 
 
-def log(client, parent: str, evals: pl.DataFrame, curves: pl.DataFrame, cfg: PipelineConfig) -> dict:
-    """The report as artifacts (`report/`) and final accuracies as metrics of the parent run."""
+def log(client, parent: str, evals: pl.DataFrame, curves: pl.DataFrame, cfg: PipelineConfig, folder: Path) -> dict:
+    """The report into `folder` and as artifacts (`report/`); final accuracies as metrics of
+    the parent run."""
     evals = in_cell_order(evals)
     metric = f"mean@{cfg.eval.n_samples}"
-    with tempfile.TemporaryDirectory() as tmp:
-        table, paths = write(evals, curves, Path(tmp), metric)
-        for path in paths:
-            client.log_artifact(parent, str(path), artifact_path="report")
+    table, paths = write(evals, curves, folder, metric)
+    for path in paths:
+        client.log_artifact(parent, str(path), artifact_path="report")
     agg = _agg(finals(evals), ["cell"])
     summary = {f"final_{metric.replace('@', '_at_')}/{grid.slug(r['cell'])}": r["mean"] for r in agg.iter_rows(named=True)}
     summary[f"base_{metric.replace('@', '_at_')}"] = float(evals.filter(pl.col("update") == 0)["accuracy"].mean())

@@ -14,12 +14,34 @@ def state_dir() -> Path:
     return Path(os.environ.get(HOME_ENV, ".ggpo")).resolve()
 
 
+STATE_FILE = "services.json"     # what `ggpo up` started: pids, ports, urls
+DEFAULT_PORTS = {"prefect": 4200, "mlflow": 5000}
+
+
+def recorded_ports() -> dict[str, int]:
+    """The ports of the servers `ggpo up` started for this state folder ({} if none)."""
+    import json
+    path = state_dir() / STATE_FILE
+    try:
+        return {k: int(v) for k, v in json.loads(path.read_text()).get("ports", {}).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def _port(name: str, env: str) -> int:
+    """$GGPO_<NAME>_PORT, else the port `ggpo up` chose (so a new shell reaches the same
+    servers), else the default."""
+    if os.environ.get(env):
+        return int(os.environ[env])
+    return recorded_ports().get(name, DEFAULT_PORTS[name])
+
+
 def prefect_port() -> int:
-    return int(os.environ.get(PREFECT_PORT_ENV, "4200"))
+    return _port("prefect", PREFECT_PORT_ENV)
 
 
 def mlflow_port() -> int:
-    return int(os.environ.get(MLFLOW_PORT_ENV, "5000"))
+    return _port("mlflow", MLFLOW_PORT_ENV)
 
 
 def mlflow_db() -> Path:

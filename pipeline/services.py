@@ -23,7 +23,7 @@ from pathlib import Path
 from pipeline import paths
 from pipeline.store import default_root, write_text_atomic
 
-STATE_FILE = "services.json"
+STATE_FILE = paths.STATE_FILE
 
 
 class ServiceError(RuntimeError):
@@ -80,6 +80,7 @@ def services(prefect_port: int, mlflow_port: int) -> list[Service]:
     state, u = paths.state_dir(), urls(prefect_port, mlflow_port)
     bindir = Path(sys.executable).parent
     prefect_env = {"PREFECT_HOME": str(state / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                   "PREFECT_LOCAL_STORAGE_PATH": str(state / "prefect" / "storage"),
                    "PREFECT_API_URL": u["prefect_api"], "PREFECT_UI_API_URL": u["prefect_api"],
                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
     return [
@@ -138,9 +139,10 @@ def up(prefect_port: int | None = None, mlflow_port: int | None = None, timeout:
     current = status()
     if current and all(s["healthy"] for s in current["services"].values()):
         return current | {"already_up": True}
+    # the ports asked for, else $GGPO_*_PORT, else those of the last `ggpo up` here, else the defaults
+    prefect_port, mlflow_port = prefect_port or paths.prefect_port(), mlflow_port or paths.mlflow_port()
     if current:
         down()
-    prefect_port, mlflow_port = prefect_port or paths.prefect_port(), mlflow_port or paths.mlflow_port()
     for name, port in (("prefect", prefect_port), ("mlflow", mlflow_port)):
         if not port_free(port):
             raise ServiceError(f"port {port} on 127.0.0.1 (for {name}) is taken by another program; free it "
@@ -158,6 +160,32 @@ def up(prefect_port: int | None = None, mlflow_port: int | None = None, timeout:
              "urls": urls(prefect_port, mlflow_port), "cache": str(default_root())}
     write_text_atomic(paths.state_dir() / STATE_FILE, json.dumps(state, indent=2))
     return status()
+
+
+def ours(name: str) -> str | None:
+    """The URL of ggpo's own `name` server ("prefect": its API, "mlflow") when `ggpo up`
+    started it for this state folder and it answers; else None."""
+    state = read_state()
+    pid = state.get("pids", {}).get(name)
+    url = state.get("urls", {}).get("prefect_api" if name == "prefect" else "mlflow")
+    if not (pid and url and alive(pid) and healthy(f"{url}/health")):
+        return None
+    return url
+
+
+def foreign(url: str, name: str) -> str:
+    """The message for a server at `url` that `ggpo up` did not start."""
+    return (f"something answers at {url}, but it is not the {name} server `ggpo up` started (state in "
+            f"{paths.state_dir() / STATE_FILE}), so this project's runs do not go there")
+
+
+def exports() -> list[str]:
+    """Shell lines that point the Prefect CLI and MLflow clients at ggpo's servers."""
+    state = read_state()
+    if not state:
+        return []
+    return [f"export PREFECT_API_URL={state['urls']['prefect_api']}", f"export MLFLOW_TRACKING_URI={state['urls']['mlflow']}",
+            f"export GGPO_PREFECT_PORT={state['ports']['prefect']} GGPO_MLFLOW_PORT={state['ports']['mlflow']}"]
 
 
 def status() -> dict:

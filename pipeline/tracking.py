@@ -21,7 +21,6 @@ import json
 import os
 import threading
 import time
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -41,22 +40,33 @@ RUNS_VIEW_QUERY = "workflowType=machine_learning&compareRunsMode=CHART"
 HEADLINE_CURVES = ("train/reward", "train/loss")
 
 
+_NOTED: set[str] = set()
+
+
 def tracking_uri() -> str:
+    """$MLFLOW_TRACKING_URI, else the MLflow server `ggpo up` started (found through its
+    recorded port from any shell), else the SQLite file it uses. A server on ggpo's port
+    that `ggpo up` did not start gets nothing of ours (said once)."""
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    local = f"http://127.0.0.1:{paths.mlflow_port()}"
-    try:
-        with urllib.request.urlopen(f"{local}/health", timeout=1) as r:
-            if r.status == 200:
-                return local
-    except OSError:
-        pass
+    from pipeline import services
+    url = services.ours("mlflow")
+    if url:
+        return url
+    probe = f"http://127.0.0.1:{paths.mlflow_port()}"
+    if probe not in _NOTED and services.healthy(f"{probe}/health"):
+        _NOTED.add(probe)
+        import sys
+        print(f"ggpo: note: {services.foreign(probe, 'MLflow')}; tracking to {paths.mlflow_db()} "
+              f"(MLFLOW_TRACKING_URI={probe} would use it)", file=sys.stderr)
     paths.state_dir().mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{paths.mlflow_db()}"
 
 
 def client():
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
+    # MLflow's own "View run" lines open the GenAI layout; ggpo prints run_link's instead
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     from mlflow import MlflowClient
     return MlflowClient(tracking_uri=tracking_uri())
 
@@ -94,6 +104,14 @@ def run_link(run_id: str, exp_id: str, server: str | None = None) -> str | None:
     if not server.startswith("http"):
         return None
     return f"{server.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}?workflowType=machine_learning"
+
+
+def report_folder(flow: str, preset: str) -> Path:
+    """Where a flow run's report files stay on disk (also logged to MLflow under report/):
+    $GGPO_HOME/reports/<flow>-<preset>-<UTC time>/."""
+    folder = paths.state_dir() / "reports" / f"{flow}-{preset}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def git_commit() -> str:

@@ -40,3 +40,17 @@ def test_unknown_preset_lists_known():
 def test_slice_dotted_fields():
     cfg = load_config("tiny")
     assert cfg.slice(("seed", "task.name")) == {"seed": 42, "task": {"name": "digit_sort"}}
+
+
+def test_seed_on_a_flow_sets_its_seeds_or_is_refused():
+    """`--set seed=7` on a flow trains seed 7 (not the preset's seeds); with a different
+    experiment.seeds it is one clear error."""
+    from pipeline.config import ConfigError
+    from pipeline.preflight import check_run
+    cfg, cells = check_run("offline", "smoke", ["seed=7"])
+    assert cfg.experiment.seeds == [7] and {c.seed for c in cells} == {7}
+    assert {c.config.seed for c in cells} == {7}
+    cfg, _ = check_run("offline", "smoke", ["seed=7", "experiment.seeds=[7]"])
+    assert cfg.experiment.seeds == [7]
+    with pytest.raises(ConfigError, match=r"--set seed=7 and --set experiment.seeds=\[1, 2\] disagree"):
+        check_run("offline", "smoke", ["seed=7", "experiment.seeds=[1,2]"])

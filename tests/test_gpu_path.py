@@ -226,3 +226,19 @@ def test_top_p_below_one_is_refused_where_behavior_logprobs_matter():
     with pytest.raises(ConfigError, match=r"rollout.top_p=0.9 with train.method=grpo_tis: behavior log-probs"):
         preflight(load_config("smoke", ["rollout.top_p=0.9", "train.method=grpo_tis"]))
     preflight(load_config("smoke", ["rollout.top_p=0.9", "train.method=ggpo"]))     # GGPO reads none
+
+
+def test_paper_preset_rollout_runs_on_cpu_past_its_training_file(base_manifest):
+    """The qwen3-1.7b preset from the shipped data (no ../shared), with the tiny model and CPU
+    settings: the MATH train file loads, its 2 answerless rows are skipped and counted."""
+    import subprocess
+    from conftest import BIN, REPO
+    from stages.base import model_path
+    res = subprocess.run([str(BIN / "ggpo"), "stage", "rollout", "--preset", "qwen3-1.7b", "--no-track",
+                          "--set", f"model.name_or_path={model_path(base_manifest)}", "--set", "rollout.engine=hf",
+                          "--set", "train.device=cpu", "--set", "model.threads=1", "--set", "task.n_train=2",
+                          "--set", "rollout.max_new_tokens=8", "--set", "rollout.mismatch_sample=0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("  summary "))[10:])
+    assert (summary["prompts"], summary["task_rows"], summary["task_rows_skipped"]) == (2, 12000, 2)

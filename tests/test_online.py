@@ -2,6 +2,7 @@
 N = 1, staleness within a step, SIGKILL mid-round and resume, bad input."""
 import os
 import subprocess
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -191,3 +192,11 @@ def test_flow_with_parallel_builds_equals_sequential_rounds(tmp_path, base_manif
         alone = run_rounds(cfg, base_manifest, 4, Store(tmp_path / method))[-1]
         in_flow = Store().load("online_train", alone.key)
         assert in_flow is not None and in_flow.files["weights"].sha256 == alone.files["weights"].sha256, method
+    # `ggpo report` reads the same cache and prints the flow's tables
+    rep = subprocess.run([str(BIN / "ggpo"), "report", "--preset", "smoke-online"] + [x for s in sets for x in ("--set", s)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    folder = next(line.split(": ", 1)[1] for line in res.stdout.splitlines() if line.startswith("report files: "))
+    flow_table = (Path(folder) / "report.md").read_text()       # what the flow wrote and logged
+    assert flow_table.strip() in rep.stdout and "Final accuracy" in flow_table, (flow_table, rep.stdout)
+    assert "online_pool" in rep.stdout and "not built" not in rep.stdout

@@ -190,3 +190,46 @@ def test_ctrl_c_on_the_deployment_cancels_its_work(services):
     assert rerun.returncode == 0 and f"resuming after update {state['update']}" in rerun.stdout, rerun.stdout[-3000:]
     runs = api(services["urls"]["prefect_api"], "/flow_runs/filter", {"sort": "START_TIME_DESC", "limit": 2})
     assert [r["state_type"] for r in runs] == ["COMPLETED", "CANCELLED"]
+
+
+def test_a_new_shell_finds_the_ports_ggpo_up_chose(services):
+    """No GGPO_*_PORT, PREFECT_API_URL or MLFLOW_TRACKING_URI: every ggpo command still uses
+    the servers `ggpo up` started on its (free, non-default) ports, and `ggpo env` prints the
+    exact lines that point the prefect CLI there."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("GGPO_PREFECT_PORT", "GGPO_MLFLOW_PORT", "PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    res = subprocess.run([str(BIN / "ggpo"), "env"], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert res.returncode == 0
+    assert f"export PREFECT_API_URL={services['urls']['prefect_api']}" in res.stdout.splitlines()
+    probe = subprocess.run([str(BIN / "python"), "-c", "from pipeline import paths, tracking; "
+                            "print(paths.prefect_port(), tracking.tracking_uri())"],
+                           capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert probe.stdout.split() == [str(services["ports"]["prefect"]), services["urls"]["mlflow"]], probe.stderr
+
+
+def test_a_server_that_is_not_ggpos_gets_nothing_and_is_named(tmp_path):
+    """Something else answers /health on ggpo's MLflow port: tracking goes to the local file,
+    and one note says why."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"OK")
+
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+        env |= {"GGPO_HOME": str(tmp_path / "home"), "GGPO_MLFLOW_PORT": str(server.server_port)}
+        res = subprocess.run([str(BIN / "python"), "-c", "from pipeline import tracking; print(tracking.tracking_uri())"],
+                             capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    finally:
+        server.shutdown()
+    assert res.stdout.strip() == f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}"
+    assert (f"something answers at http://127.0.0.1:{server.server_port}, but it is not the MLflow server "
+            "`ggpo up` started") in res.stderr
