@@ -206,6 +206,8 @@ def interrupted() -> int:
     (which outlived the run's own shutdown to record it Cancelled) stop first."""
     from pipeline import grading
     grading.close_pool()
+    if _TEMPORARY_SERVER:      # what Prefect still has to send goes out before its server stops
+        drain_prefect()
     for server in _TEMPORARY_SERVER:
         server.stop()
     print(f"ggpo: {interrupt.summary()}", file=sys.stderr)
@@ -262,6 +264,17 @@ def ensure_prefect_api() -> None:
 
 
 _TEMPORARY_SERVER: list = []
+
+
+def drain_prefect() -> None:
+    """Send Prefect's queued logs and events now (each worker waits at most 5 s)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=5)
+        except Exception:       # noqa: BLE001 - a worker that cannot drain must not hide the summary line
+            pass
 
 
 def detached_server(port: int):

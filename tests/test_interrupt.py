@@ -10,8 +10,9 @@ from pipeline import interrupt
 from conftest import assert_interrupted_cleanly, interrupt_offline_run
 
 
-def test_sigint_with_servers_down_stops_checkpoints_and_resumes(base_manifest):
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}    # nothing listens on GGPO_PREFECT_PORT
+def test_sigint_with_servers_down_stops_checkpoints_and_resumes(base_manifest, tmp_path):
+    # nothing listens on GGPO_PREFECT_PORT; a state folder (MLflow database) of its own
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"GGPO_HOME": str(tmp_path / "home")}
     assert_interrupted_cleanly(*interrupt_offline_run(env, seed=1, extra=["train.lr=2e-5"]))
 
 
