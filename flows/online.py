@@ -35,7 +35,6 @@ from pipeline.grid import Cell
 from pipeline.preflight import check_run
 from pipeline.stage import build_slot, outcome, set_parallel_builds
 from pipeline.store import Manifest, Store
-from stages.online_train import eval_points
 
 
 @task(task_run_name="{run_name}", cache_policy=NO_CACHE, retries=0)
@@ -99,7 +98,7 @@ def submit_all(step: OnlineRunner, cells: list[Cell]) -> tuple[dict, list]:
                 continue
             fut = submit_cell(step, cell, r, rounds[i][-1] if rounds[i] else None)
             rounds[i].append(fut)
-            for _, update, at in (p for p in eval_points(cell.config.train) if p[0] == r):
+            for _, update, at in (p for p in cell.config.train.online_eval_points() if p[0] == r):
                 ce = cell.config.updated({"eval.target": "online_train", "online.round": r, "eval.update": update})
                 evals.append(({"cell": cell, "update": at},
                               step("evaluate", ce, {"model": fut}, f"evaluate-{cell_name(cell)}-u{at}")))

@@ -19,7 +19,12 @@ from pathlib import Path
 
 import polars as pl
 
-KNOWN = ("math500", "aime24", "aime25", "olympiadbench", "minerva_math", "math_train")
+from pipeline.errors import BENCHMARKS, BenchmarkError
+from pipeline.paths import project_file
+from pipeline.store import sha256_cached
+from pipeline.tasks import read_table
+
+KNOWN = BENCHMARKS
 EVAL_SET = KNOWN[:5]
 PAPER_SIZES = {"math500": 500, "aime24": 30, "aime25": 30, "olympiadbench": 674, "minerva_math": 272}
 ALTERNATIVE_ANSWER_COLUMNS = ("answer_latex",)
@@ -40,14 +45,9 @@ class BenchProblem:
     answers: tuple[str, ...]
 
 
-class BenchmarkError(ValueError):
-    pass
-
-
 def _file(name: str, data_dir: str | Path) -> Path:
     if name not in KNOWN:
         raise BenchmarkError(f"unknown benchmark '{name}'; known: {', '.join(KNOWN)}")
-    from pipeline.paths import project_file
     for suffix in (".parquet", ".jsonl"):
         path = project_file(Path(data_dir) / f"{name}{suffix}")
         if path.exists():
@@ -77,7 +77,6 @@ def content_key(names: list[str], data_dir: str | Path | None) -> dict[str, str]
     dataset ids (in the config) name the data."""
     if not names or data_dir is None or str(data_dir) == "hub":
         return {}
-    from pipeline.store import sha256_cached
     return {f"benchmark/{name}": sha256_cached(_file(name, data_dir)) for name in names}
 
 
@@ -85,7 +84,6 @@ def load(name: str, data_dir: str | Path) -> list[BenchProblem]:
     if str(data_dir) == "hub":
         df, path = _from_hub(name)
     else:
-        from pipeline.tasks import read_table     # here: config imports this module, tasks imports config
         path = _file(name, data_dir)
         df = read_table(path, BenchmarkError)
     for column in ("id", "problem", "answer"):

@@ -21,8 +21,11 @@ import urllib.request
 from pathlib import Path
 
 from pipeline import dag, interrupt, paths, services
-from pipeline.config import PRESET_DIR, ConfigError, load_config, parse_overrides, preset_names
-from pipeline.store import DamagedArtifact, Store, gc_plan, verify_all
+from pipeline.config import PRESET_DIR, load_config, parse_overrides, preset_names
+from pipeline.errors import BenchmarkError, ConfigError, DamagedArtifact, DatasetError, TrainingError
+from pipeline.store import Store, gc_plan, verify_all
+from pipeline import grading, online_report, report, stage, tracking
+from pydantic import ValidationError
 
 
 def _config_args(p: argparse.ArgumentParser, default: str | None = "tiny") -> None:
@@ -76,7 +79,6 @@ def cmd_up(args) -> int:
     word = "already up" if state.get("already_up") else "up"
     print(f"ggpo services {word} (state: {paths.state_dir()})")
     print(f"  Prefect UI: {state['urls']['prefect_ui']}\n  MLflow UI:  {state['urls']['mlflow']}")
-    from pipeline import tracking
     print(f"  MLflow runs and charts: {tracking.experiment_link(state['urls']['mlflow'])} (offline)\n"
           f"                          {tracking.experiment_link(state['urls']['mlflow'], 'online')} (online)")
     print("  deployments: ggpo/offline, ggpo/online  (prefect deployment run ggpo/offline --watch)")
@@ -127,7 +129,6 @@ def cmd_run(args) -> int:
     os.environ.setdefault("PREFECT_HOME", str(paths.state_dir() / "prefect"))
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(paths.state_dir() / "prefect" / "storage"))
     ensure_prefect_api()
-    from pipeline import stage
     if args.flow == "online":
         from flows.online import ggpo_online as ggpo
     else:
@@ -204,7 +205,6 @@ def watch_flow_run(client, run_id):
 def interrupted() -> int:
     """One line for an interrupted command, last; the graders and a temporary Prefect server
     (which outlived the run's own shutdown to record it Cancelled) stop first."""
-    from pipeline import grading
     grading.close_pool()
     if _TEMPORARY_SERVER:      # what Prefect still has to send goes out before its server stops
         drain_prefect()
@@ -296,7 +296,6 @@ def detached_server(port: int):
 
 
 def cmd_stage(args) -> int:
-    from pipeline import stage
     cfg = load_config(args.preset, _overrides(args))
     from pipeline.preflight import preflight
     preflight(cfg)      # device, engine, model, data, disk: every prerequisite before any work
@@ -315,7 +314,6 @@ def cmd_stage(args) -> int:
         print(f"  {name:12s} {entry.path} rows={entry.rows} sha256={entry.sha256[:16]}")
     print("  summary " + json.dumps(manifest.summary))
     if not args.no_track:
-        from pipeline import tracking
         run_id = tracking.log_stage(manifest, f"stage-{args.name}")
         print(f"  mlflow run {tracking.run_link(run_id) or run_id + ' in ' + tracking.tracking_uri()}")
     return 0
@@ -381,15 +379,12 @@ def preset_experiment_keys() -> set[tuple[str, str]]:
 def cmd_report(args) -> int:
     """The experiment's stage timings and tables, from the cache the flow wrote (the flow is
     the preset's experiment.flow; online: the flow's report tables, byte for byte)."""
-    from pipeline import tracking
     from pipeline.preflight import flow_overrides
     cfg = load_config(args.preset, flow_overrides(args.overrides))
     flow = cfg.experiment.flow
     if flow == "online":
-        from pipeline import online_report
         evals, curves, timings = online_report.from_cache(cfg, Store())
     else:
-        from pipeline import report
         evals, _, timings = report.from_cache(cfg, Store())
     print_timings(args.preset, timings)
     if not evals.height:
@@ -432,12 +427,8 @@ def expected_error(exc: BaseException) -> str | None:
     """The message of an expected failure (bad config or data, missing or damaged input,
     training stopped, server trouble) with what to do; None for a bug, which keeps its
     traceback."""
-    from pydantic import ValidationError
-    from pipeline.benchmarks import BenchmarkError
-    from pipeline.tasks import DatasetError
     if isinstance(exc, interrupt.Interrupted):
         return str(exc)
-    train_loop = sys.modules.get("stages.train.loop")   # TrainingError exists only once training ran
     if isinstance(exc, ValidationError) or isinstance(exc.__context__, ValidationError) and isinstance(exc, ConfigError):
         invalid = exc if isinstance(exc, ValidationError) else exc.__context__
         head = str(exc).splitlines()[0].rstrip(":") if isinstance(exc, ConfigError) else "invalid config"
@@ -448,7 +439,7 @@ def expected_error(exc: BaseException) -> str | None:
         return f"{exc} (fix the file, or pick a prompt set: --set task.name=digit_sort|arithmetic|PATH)"
     if isinstance(exc, BenchmarkError):
         return f"{exc} (fix the file; eval.data_dir is a folder of <benchmark>.parquet/.jsonl files, or 'hub')"
-    if train_loop and isinstance(exc, train_loop.TrainingError):
+    if isinstance(exc, TrainingError):
         if "non-finite" not in str(exc):
             return str(exc)
         return (f"training stopped: {exc}; try a smaller learning rate (--set train.lr=...) or a larger "

@@ -15,6 +15,8 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.errors import BENCHMARKS, ConfigError
+
 PRESET_DIR = Path(__file__).parent / "presets"
 
 
@@ -137,6 +139,9 @@ class TrainConfig(Section):
     nproc: int = Field(1, ge=1)
     nnodes: int = Field(1, ge=1)
     rdzv_endpoint: str | None = None
+    # parameters under FSDP (stages/train/distributed.py): float32 + bf16 autocast, as one
+    # process computes; bfloat16 = FSDP's bf16 parameters (less traffic, bf16 residual stream)
+    fsdp_param_dtype: Literal["float32", "bfloat16"] = "float32"
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -162,6 +167,13 @@ class TrainConfig(Section):
     def snapshot_updates(self) -> list[int]:
         """Updates after which the policy is saved for evaluation (not the final one)."""
         return list(range(self.eval_every, self.updates, self.eval_every)) if self.eval_every else []
+
+    def online_eval_points(self) -> list[tuple[int, int | None, int]]:
+        """Where the online flow evaluates: (round, eval.update, update) for every
+        eval_every point and the end. A point at a round's end is that round's final policy
+        (eval.update None); one inside a round is the round's snapshot."""
+        n = self.updates_per_step
+        return [(-(-at // n) - 1, None if at % n == 0 else at, at) for at in self.snapshot_updates() + [self.updates]]
 
     def needs_behavior_logprobs(self) -> bool:
         return self.method == "grpo_tis" or (self.method == "grpo" and self.anchor == "behavior")
@@ -258,10 +270,9 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "EvalConfig":
-        from pipeline.benchmarks import KNOWN
-        unknown = [b for b in self.benchmarks if b not in KNOWN]
+        unknown = [b for b in self.benchmarks if b not in BENCHMARKS]
         if unknown:
-            raise ValueError(f"eval.benchmarks: unknown {unknown}; known: {', '.join(KNOWN)}")
+            raise ValueError(f"eval.benchmarks: unknown {unknown}; known: {', '.join(BENCHMARKS)}")
         return self
 
 
@@ -299,10 +310,6 @@ class PipelineConfig(Section):
                 src, dst = src[part], dst.setdefault(part, {})
             dst[leaf] = src[leaf]
         return out
-
-
-class ConfigError(ValueError):
-    pass
 
 
 # Placement, not content: fields that say where a stage runs, not what it computes (nproc=2

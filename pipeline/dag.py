@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 
 from pipeline.config import PipelineConfig
+from pipeline.grid import cells
 from pipeline.stage import StageSpec, content_key, key_for, run_stage
-from pipeline.store import DamagedArtifact, Manifest, Store
+from pipeline.errors import DamagedArtifact
+from pipeline.store import Manifest, Store
 from pipeline.store import canonical_json as canonical
 
 STAGE_NAMES = ("base", "rollout", "verify", "filter", "train", "evaluate", "online_pool", "online_train")
@@ -135,7 +137,6 @@ def experiment_keys(config: PipelineConfig) -> set[tuple[str, str]]:
     per cell (seed x method or variant x grid point, pipeline/grid.py) its pool, the base
     evaluation, the training run and its evaluations at each snapshot and at the end
     (flows/offline.py, the same expansion)."""
-    from pipeline.grid import cells
     keys = {("base", expected_key("base", config))}
     for cell in cells(config):
         c = cell.config
@@ -149,16 +150,14 @@ def experiment_keys(config: PipelineConfig) -> set[tuple[str, str]]:
 def online_experiment_keys(config: PipelineConfig) -> set[tuple[str, str]]:
     """(stage, key) of every artifact the online flow (flows/online.py) builds for `config`:
     the base model and its evaluation; per cell every round's pool and training, and the
-    evaluations at stages.online_train.eval_points."""
-    from pipeline.grid import cells
-    from stages.online_train import eval_points
+    evaluations at train.online_eval_points()."""
     keys = {("base", expected_key("base", config))}
     for cell in cells(config):
         c, tc = cell.config, cell.config.train
         keys.add(("evaluate", expected_key("evaluate", c.updated({"eval.target": "base"}))))
         for r in range(tc.updates // tc.updates_per_step):
             keys |= set(online_keys(c, r).items())
-        for r, update, _ in eval_points(tc):
+        for r, update, _ in tc.online_eval_points():
             ce = c.updated({"eval.target": "online_train", "online.round": r, "eval.update": update})
             keys.add(("evaluate", expected_key("evaluate", ce)))
     return keys

@@ -18,7 +18,7 @@ class BenchmarkError(ValueError):
     """A benchmark file (eval.data_dir) that cannot be read."""
 
 
-class StoreError(RuntimeError):
+class StoreError(ConfigError):
     """The artifact store cannot be used (URL, credentials, endpoint, permissions)."""
 
 

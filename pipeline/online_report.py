@@ -23,7 +23,7 @@ from typing import Any
 
 import polars as pl
 
-from pipeline import grid, tracking
+from pipeline import dag, grid, tracking
 from pipeline.config import PipelineConfig
 from pipeline.report import cell as fmt_cell
 
@@ -57,8 +57,6 @@ def from_cache(cfg: PipelineConfig, store) -> tuple[pl.DataFrame, pl.DataFrame, 
     """(evaluations, curves, stage timings) of the online experiment `cfg` describes, read
     from the store by the keys the flow builds (dag.online_experiment_keys): the same
     tables the flow reports. A cell whose rounds are not all built contributes what is."""
-    from pipeline import dag
-    from stages.online_train import eval_points
     records, curves, timings, seen = [], [], [], set()
 
     def load(stage: str, c: PipelineConfig, key: str | None = None):
@@ -80,7 +78,7 @@ def from_cache(cfg: PipelineConfig, store) -> tuple[pl.DataFrame, pl.DataFrame, 
             if trained is None:
                 break
             rounds.append(trained)
-        for r, update, at in eval_points(tc):
+        for r, update, at in tc.online_eval_points():
             if r < len(rounds):
                 e = load("evaluate", c.updated({"eval.target": "online_train", "online.round": r, "eval.update": update}))
                 records += [record(cell, cfg, at, e)] if e else []

@@ -45,6 +45,9 @@ from prefect.futures import PrefectFuture
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from pipeline.config import ConfigError
+from pipeline import paths, tracking
+from pipeline.dag import STAGE_NAMES
+from pipeline.store import default_root
 
 THREADS = 64                 # the thread runner's pool; experiment.parallel bounds the builds
 LOCAL = "local"              # a private Ray instance for the flow run
@@ -107,8 +110,6 @@ def worker_env() -> dict[str, str]:
     """The environment a Ray worker needs to act as this process would: the store, the state
     folder, the MLflow URI and the Prefect API as absolute values, and the GGPO_/MLflow/
     Prefect/Hugging Face settings of this process."""
-    from pipeline import paths, tracking
-    from pipeline.store import default_root
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARD) and not k.startswith("PREFECT__")}
     env.update({"GGPO_CACHE": str(default_root()), paths.HOME_ENV: str(paths.state_dir()),
                 "MLFLOW_TRACKING_URI": tracking.tracking_uri(), WORKDIR_ENV: os.getcwd()})
@@ -255,7 +256,6 @@ def _is_ray(runner) -> bool:
 
 def _check_fits(cfg, where: tuple[str, str]) -> None:
     import ray
-    from pipeline.dag import STAGE_NAMES
     nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
     for stage in STAGE_NAMES:
         asked = stage_resources(stage, cfg)

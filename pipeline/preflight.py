@@ -35,7 +35,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.config import ConfigError, PipelineConfig, TrainConfig, load_config, parse_overrides
+from pipeline.config import PipelineConfig, TrainConfig, load_config, parse_overrides
+from pipeline.errors import BenchmarkError, ConfigError, DatasetError, StoreError
+from pipeline import benchmarks, dag, grid, tasks
+from pipeline.engines import check_vllm
+from pipeline.runtime import resolve_device
+from pipeline.store import Store, check_store
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 FLOWS = ("offline", "online")
@@ -58,7 +63,6 @@ def check_run(flow: str, preset: str, overrides: dict[str, Any] | list[str] | No
               force: list[str] | None = None, methods: list[str] | None = None,
               seeds: list[int] | None = None) -> tuple[PipelineConfig, list]:
     """(config, cells) of a flow run, every prerequisite checked; ConfigError otherwise."""
-    from pipeline import dag, grid
     cfg = load_config(preset, flow_overrides(overrides))
     cfg = cfg.updated({"experiment.methods": methods or list(cfg.experiment.methods),
                        "experiment.seeds": seeds or list(cfg.experiment.seeds)})
@@ -112,9 +116,6 @@ def problems(cfg: PipelineConfig, runs: int = 1, flow: str | None = None, shared
         try:
             check()
         except Exception as exc:        # every expected failure is one line; collect them all
-            from pipeline.benchmarks import BenchmarkError
-            from pipeline.remote_store import StoreError
-            from pipeline.tasks import DatasetError
             if not isinstance(exc, (ConfigError, DatasetError, BenchmarkError, StoreError)):
                 raise
             found.append(exc)
@@ -122,12 +123,10 @@ def problems(cfg: PipelineConfig, runs: int = 1, flow: str | None = None, shared
 
 
 def check_store_opens() -> None:
-    from pipeline.store import check_store
     check_store()
 
 
 def check_device(cfg: PipelineConfig) -> None:
-    from pipeline.runtime import resolve_device
     device = resolve_device(cfg.train.device)
     check_placement(cfg.train, device)
     if cfg.experiment.task_runner == "ray":     # (placement imports prefect: only when asked)
@@ -137,7 +136,6 @@ def check_device(cfg: PipelineConfig) -> None:
 
 def check_engine(cfg: PipelineConfig) -> None:
     if cfg.rollout.engine == "vllm":
-        from pipeline.engines import check_vllm
         check_vllm()
 
 
@@ -241,7 +239,6 @@ def check_model_folder(cfg: PipelineConfig, folder: Path) -> None:
 
 def check_data(cfg: PipelineConfig) -> None:
     """The task file and the benchmark files parse (each read once per process)."""
-    from pipeline import benchmarks, tasks
     if cfg.task.name not in tasks.BUILTIN:
         tasks.splits(cfg.task)          # parses, skips unusable rows within the limit, n_eval fits
     for name in cfg.eval.benchmarks:
@@ -291,7 +288,6 @@ def planned_bytes(cfg: PipelineConfig, runs: int, flow: str | None) -> int:
 
 
 def check_disk(cfg: PipelineConfig, runs: int, flow: str | None) -> None:
-    from pipeline.store import Store
     store = Store()
     need = planned_bytes(cfg, runs, flow)
     root = store.root

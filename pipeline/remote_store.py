@@ -33,7 +33,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from pipeline.config import ConfigError
+from pipeline.errors import StoreError
+from pipeline import paths
 
 OPTIONS_ENV = "GGPO_CACHE_OPTIONS"
 STAGING_ENV = "GGPO_STAGING"
@@ -46,10 +47,6 @@ PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "abfs": 
 # short timeouts for the preflight probe only: a dead endpoint answers in seconds, not minutes
 PROBE_OPTIONS = {"s3": {"config_kwargs": {"connect_timeout": 5, "read_timeout": 10,
                                           "retries": {"max_attempts": 2, "mode": "standard"}}}}
-
-
-class StoreError(ConfigError):
-    """The remote store cannot be used; the message is one line naming the URL and the fix."""
 
 
 def is_url(root) -> bool:
@@ -76,7 +73,6 @@ def storage_options() -> dict:
 
 def mirror_root(url: str) -> Path:
     """The local folder holding staged builds and downloaded artifacts of the store at `url`."""
-    from pipeline import paths
     base = Path(os.environ[STAGING_ENV]).resolve() if os.environ.get(STAGING_ENV) else paths.state_dir() / "staging"
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", url)[:60].strip("_")
     return base / f"{slug}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"

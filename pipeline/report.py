@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import polars as pl
+from pipeline import dag, grid
 
 
 def training_curves(trained, method: str, seed: int, cell: str | None = None) -> pl.DataFrame:
@@ -97,7 +98,6 @@ def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) 
 def from_cache(cfg, store) -> tuple[pl.DataFrame, pl.DataFrame, list[tuple[str, float | None]]]:
     """(evals, curves, stage timings) of the experiment `cfg` describes, read from the
     store by expected keys; stages not built yet have timing None and no rows."""
-    from pipeline import dag
 
     def load(stage, c):
         return store.load(stage, dag.expected_key(stage, c))
@@ -106,7 +106,6 @@ def from_cache(cfg, store) -> tuple[pl.DataFrame, pl.DataFrame, list[tuple[str, 
     timings, records, curves = [], [], []
     base = load("base", cfg)
     timings.append(("base", base.seconds if base else None))
-    from pipeline import grid
     seen = set()       # pools and base evaluations that grid cells share are timed once
     for cell in grid.cells(cfg):
         cm, seed, method, label = cell.config, cell.seed, cell.method, cell.label

@@ -23,7 +23,9 @@ from typing import Any, Callable, Iterator
 
 from pipeline import interrupt
 from pipeline.config import PipelineConfig
-from pipeline.store import DamagedArtifact, Manifest, Store, check, file_entry, now_iso, stage_key
+from pipeline.errors import DamagedArtifact
+from pipeline.store import Manifest, Store, check, file_entry, now_iso, stage_key
+from pipeline import tasks
 
 log = logging.getLogger("ggpo")
 
@@ -75,7 +77,6 @@ def outcome(manifest: Manifest) -> str:
 def content_key(spec: StageSpec, config: PipelineConfig) -> dict[str, str]:
     """sha256 of each outside file the stage reads: the task file (when the stage reads
     the task section and task.name is a path) and the spec's own `extra_key`."""
-    from pipeline import tasks
     out = {}
     if any(r == "task" or r.startswith("task.") for r in spec.reads):
         out.update(tasks.content_key(config.task))

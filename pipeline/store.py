@@ -44,15 +44,12 @@ from typing import Any, Iterator
 
 from pydantic import BaseModel
 
-from pipeline.remote_store import Remote, StoreError, check_remote, is_url, mirror_root
+from pipeline.errors import DamagedArtifact, StoreError
+from pipeline.remote_store import Remote, check_remote, is_url, mirror_root
 
 CACHE_ENV = "GGPO_CACHE"
 MANIFEST = "manifest.json"
 log = logging.getLogger("ggpo")
-
-
-class DamagedArtifact(RuntimeError):
-    """A cached artifact whose files do not match its manifest; the message is one line."""
 
 
 class FileEntry(BaseModel):
@@ -79,6 +76,23 @@ class Manifest(BaseModel):
 
     def path(self, name: str) -> Path:
         return Path(self.folder) / self.files[name].path
+
+
+def model_path(manifest: Manifest, update: int | None = None) -> str:
+    """Where downstream stages load pi_0, a trained policy, or its snapshot after `update`
+    updates from. A model an artifact holds is found through its own files (the file named
+    "weights", or "snapshot_<update>" of a trained one; each in an HF folder), under
+    `manifest.folder` as set by the store that loaded it, so a copied or remote cache reads
+    its own copy. Only an external model (`model.name_or_path`) comes from the summary."""
+    if "weights" not in manifest.files:
+        return manifest.summary["model_path"]
+    if update is None or manifest.stage == "base":
+        return str(manifest.path("weights").parent)
+    if f"snapshot_{update}" not in manifest.files:
+        known = sorted(int(k.split("_")[1]) for k in manifest.files if k.startswith("snapshot_"))
+        raise ValueError(f"eval.update={update}: training run {manifest.key[:16]} has snapshots at {known} "
+                         f"(train.eval_every) and its final model (eval.update unset)")
+    return str(manifest.path(f"snapshot_{update}").parent)
 
 
 def canonical_json(obj: Any) -> str:

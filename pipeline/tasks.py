@@ -27,6 +27,9 @@ from pathlib import Path
 import polars as pl
 
 from pipeline.config import TaskConfig
+from pipeline.errors import DatasetError
+from pipeline.paths import project_file
+from pipeline.store import sha256_cached
 from pipeline.seeding import permutation, py_random
 
 BUILTIN = ("digit_sort", "arithmetic")
@@ -40,10 +43,6 @@ class Problem:
     id: str
     problem: str
     answer: str
-
-
-class DatasetError(ValueError):
-    pass
 
 
 def make_problem(name: str, difficulty: int, rng) -> tuple[str, str]:
@@ -114,12 +113,10 @@ def content_key(cfg: TaskConfig) -> dict[str, str]:
     """{"task_file": sha256} when task.name is a file, else {} (built-ins are code)."""
     if cfg.name in BUILTIN:
         return {}
-    from pipeline.store import sha256_cached
     return {"task_file": sha256_cached(existing_file(cfg.name))}
 
 
 def existing_file(name: str | Path) -> Path:
-    from pipeline.paths import project_file
     path = project_file(name)
     if not path.is_file():
         raise DatasetError(f"task file {path} does not exist")
@@ -141,7 +138,6 @@ def read_task_file(name: str | Path) -> TaskFile:
     """A Parquet/JSONL prompt file, parsed once per content (sha256) per process. A bad
     file (unreadable, missing column, repeated ids, too many unusable rows) is an error
     naming the file, and the row where there is one."""
-    from pipeline.store import sha256_cached
     path = existing_file(name)
     stamp = (str(path.resolve()), sha256_cached(path))
     with _files_lock:

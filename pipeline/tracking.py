@@ -27,6 +27,8 @@ from typing import Any, Iterator
 
 from pipeline import paths
 from pipeline.store import Manifest
+from pipeline import interrupt, services
+from pipeline.grid import fmt, short_names
 
 EXPERIMENT = "ggpo-offline"
 EXPERIMENTS = {"offline": EXPERIMENT, "online": "ggpo-online"}
@@ -49,7 +51,6 @@ def tracking_uri() -> str:
     that `ggpo up` did not start gets nothing of ours (said once)."""
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    from pipeline import services
     url = services.ours("mlflow")
     if url:
         return url
@@ -131,7 +132,6 @@ def git_commit() -> str:
 def run_title(flow: str, preset: str, overrides: dict[str, Any], cfg) -> str:
     """`offline tiny lr=1e-4 N=[1,4] · 2026-11-30 14:02`: the flow, the preset, what --set
     changed (experiment fields aside) and the grid, and when."""
-    from pipeline.grid import fmt, short_names
     changed = {k: v for k, v in (overrides or {}).items() if not k.startswith("experiment.") and k != "seed"}
     names = short_names({**changed, **cfg.experiment.grid})
     parts = [flow, preset] + [f"{names[k]}={fmt(v)}" for k, v in changed.items()]
@@ -189,7 +189,6 @@ def parent_run(run_name: str, params: dict[str, Any], tags: dict[str, str],
     try:
         yield c, run.info.run_id
     except BaseException:
-        from pipeline import interrupt
         c.set_terminated(run.info.run_id, "KILLED" if interrupt.requested() else "FAILED")
         raise
     c.set_terminated(run.info.run_id, "FINISHED")

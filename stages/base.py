@@ -27,29 +27,13 @@ from pipeline.progress import Progress
 from pipeline.schemas import write_parquet
 from pipeline.seeding import derive_seed
 from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store
+from pipeline.store import Manifest, Store, model_path  # noqa: F401 - also imported from here (tests, scripts)
 from pipeline.tiny_model import build_model, build_tokenizer, save
 import pyarrow as pa
+from stages.train.policy import make_batch, token_logprobs
 
 SFT_LOG = pa.schema([("step", pa.int32()), ("loss", pa.float64()), ("lr", pa.float64()),
                      ("sampled_accuracy", pa.float64())])
-
-
-def model_path(manifest: Manifest, update: int | None = None) -> str:
-    """Where downstream stages load pi_0, a trained policy, or its snapshot after `update`
-    updates from. A model an artifact holds is found through its own files (the file named
-    "weights", or "snapshot_<update>" of a trained one; each in an HF folder), under
-    `manifest.folder` as set by the store that loaded it, so a copied or remote cache reads
-    its own copy. Only an external model (`model.name_or_path`) comes from the summary."""
-    if "weights" not in manifest.files:
-        return manifest.summary["model_path"]
-    if update is None or manifest.stage == "base":
-        return str(manifest.path("weights").parent)
-    if f"snapshot_{update}" not in manifest.files:
-        known = sorted(int(k.split("_")[1]) for k in manifest.files if k.startswith("snapshot_"))
-        raise ValueError(f"eval.update={update}: training run {manifest.key[:16]} has snapshots at {known} "
-                         f"(train.eval_every) and its final model (eval.update unset)")
-    return str(manifest.path(f"snapshot_{update}").parent)
 
 
 def lr_at(step: int, cfg: ModelConfig) -> float:
@@ -61,7 +45,7 @@ def lr_at(step: int, cfg: ModelConfig) -> float:
 
 def accuracy(engine, problems: list[tuple[str, str]], n: int, temperature: float, seed: int) -> float:
     prompts = [tasks.format_prompt(problem) for problem, _ in problems]
-    outs = engine.generate(prompts, SamplingParams(n, temperature, 1.0, 24, seed))
+    outs = engine.generate(prompts, SamplingParams(n, temperature, 1.0, 24, seed, logprobs=False))
     texts = [c.text for group in outs for c in group]
     answers = [(answer,) for (_, answer), group in zip(problems, outs) for _ in group]
     rewards = [g[0] for g in grade_many(texts, answers, 5.0, workers=1)]
@@ -69,7 +53,6 @@ def accuracy(engine, problems: list[tuple[str, str]], n: int, temperature: float
 
 
 def sft_step(model, opt, tok, batch: list[tuple[str, str]], lr: float) -> float:
-    from stages.train.policy import make_batch, token_logprobs
     prompt_ids = [tok(tasks.format_prompt(p))["input_ids"] for p, _ in batch]
     target_ids = [tok(tasks.format_target(a))["input_ids"] + [tok.eos_token_id] for _, a in batch]
     b = make_batch(prompt_ids, target_ids, tok.pad_token_id)
@@ -96,6 +79,7 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
     engine = TransformersEngine.__new__(TransformersEngine)
     # the tiny model's warm-up stays on the CPU on every machine: the base is the same everywhere
     engine.tokenizer, engine.model, engine.batch_prompts, engine.device = tok, model, 64, torch.device("cpu")
+    engine.stop_ids = [tok.eos_token_id]
     log = {"step": [], "loss": [], "lr": [], "sampled_accuracy": []}
     acc, step = 0.0, 0
     # the count is an upper bound: warm-up stops once the sampled accuracy reaches the target

@@ -26,8 +26,7 @@ from pipeline.metrics import pass_at_k, problem_weighted_average
 from pipeline.schemas import EVAL_SAMPLES, write_parquet
 from pipeline.seeding import derive_seed
 from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store
-from stages.base import model_path
+from pipeline.store import Manifest, Store, model_path
 
 AVG = "avg"   # the problem-weighted average row of the per-benchmark table
 
@@ -66,7 +65,7 @@ def generate(engine, prompts: list[str], cfg: PipelineConfig, desc: str = "evalu
     with progress.Progress(f"{desc}: generate", total=len(prompts), unit="prompt") as bar:
         for i in range(0, len(prompts), ec.batch_prompts):
             params = SamplingParams(ec.n_samples, ec.temperature, ec.top_p, ec.max_new_tokens,
-                                    derive_seed(cfg.seed, f"eval/sample/{i // ec.batch_prompts}"))
+                                    derive_seed(cfg.seed, f"eval/sample/{i // ec.batch_prompts}"), logprobs=False)
             out += progress.generate(engine, prompts[i:i + ec.batch_prompts], params, bar)
     return out, time.perf_counter() - start
 

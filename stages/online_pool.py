@@ -39,8 +39,7 @@ from pipeline.grading import grade_many
 from pipeline.schemas import TRAIN_POOL, write_parquet
 from pipeline.seeding import derive_seed, permutation
 from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store
-from stages.base import model_path
+from pipeline.store import Manifest, Store, model_path
 from stages.rollout import prompt_table, rollout_table
 
 DRAWS = pa.schema([("draw", pa.int32()), ("position", pa.int64()), ("prompt_id", pa.string()),

@@ -31,10 +31,10 @@ from pipeline.hf import load_tokenizer
 from pipeline.runtime import make_runtime
 from pipeline.schemas import ONLINE_METRICS, write_parquet
 from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store, fsync_rename
-from stages.base import model_path
+from pipeline.store import Manifest, Store, fsync_rename, model_path
 from stages.train import checkpoint
-from stages.train.loop import (TrainingError, TrainState, load_pool, new_state, reference_refreshed, resume,
+from pipeline.errors import TrainingError
+from stages.train.loop import (TrainState, load_pool, new_state, reference_refreshed, resume,
                                run_updates, save_policy, snapshot_files)
 
 STATE = "state.pt"
@@ -127,12 +127,3 @@ def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None
         force: bool = False) -> Manifest:
     return run_stage(SPEC, config, inputs, store, force)
 
-
-def eval_points(tc) -> list[tuple[int, int | None, int]]:
-    """Where the online flow evaluates: (round, eval.update, update) for every
-    train.eval_every point and the end. A point at a round's end is that round's final
-    policy (eval.update None); one inside a round is the round's snapshot."""
-    n, out = tc.updates_per_step, []
-    for at in tc.snapshot_updates() + [tc.updates]:
-        out.append((-(-at // n) - 1, None if at % n == 0 else at, at))
-    return out

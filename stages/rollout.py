@@ -18,8 +18,12 @@ from pipeline.engines import SamplingParams, make_engine
 from pipeline.schemas import PROMPTS, ROLLOUTS, write_parquet
 from pipeline.seeding import derive_seed, py_random
 from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store
-from stages.base import model_path
+from pipeline.store import Manifest, Store, model_path
+from pipeline.hf import load_model
+from pipeline.runtime import make_runtime
+from stages.train.loop import policy_logprobs
+from stages.train.policy import make_batch
+import torch
 
 
 def prompt_table(problems: list[tasks.Problem], tokenizer, style: str = "task") -> dict[str, list]:
@@ -53,12 +57,7 @@ def engine_mismatch(cfg: PipelineConfig, path: str, prompts: dict[str, list], ou
     trainer's log-probs (train.device / dtype, the chunked LM head) against the engine's
     behavior log-probs. rho = exp(lp_trainer - lp_beh) per token; K3 = mean(rho - 1 - log rho)
     estimates KL(pi_beh || pi_trainer) (spec 9); also the share of rho outside [0.9, 1.1]."""
-    import torch
 
-    from pipeline.hf import load_model
-    from pipeline.runtime import make_runtime
-    from stages.train.loop import policy_logprobs
-    from stages.train.policy import make_batch
     flat = [(g, i) for g, group in enumerate(outs) for i, c in enumerate(group) if c.token_ids]
     if cfg.rollout.mismatch_sample == 0 or not flat:
         return {}

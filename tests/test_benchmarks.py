@@ -4,7 +4,8 @@ import re
 import polars as pl
 import pytest
 
-from pipeline.benchmarks import KNOWN, BenchmarkError, load
+from pipeline.benchmarks import KNOWN, load
+from pipeline.errors import BenchmarkError
 from pipeline.grading import grade_many
 from pipeline.store import sha256_file
 

@@ -38,6 +38,27 @@ def test_engine_logprobs_equal_teacher_forced(base_manifest, temperature, logit_
         assert (c.token_ids[-1] == engine.tokenizer.eos_token_id) == (c.finish_reason == "stop")
 
 
+def test_stop_ids_include_the_generation_config_eos_list(base_manifest, tmp_path):
+    """A model whose generation_config.json lists a second EOS (as Qwen's does): the
+    transformers engine stops on it too, the ids vLLM is given (engines/base.py)."""
+    import json
+    import shutil
+    from pipeline.engines import stop_token_ids
+    folder = tmp_path / "model"
+    shutil.copytree(model_path(base_manifest), folder)
+    engine = TransformersEngine(str(folder))
+    brace = engine.tokenizer("}")["input_ids"][-1]      # ends every boxed answer, just before EOS
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, brace]}))
+    assert stop_token_ids(str(folder), engine.tokenizer) == sorted({2, brace})
+    plain = engine.generate(PROMPTS, SamplingParams(4, 1.0, 1.0, 20, seed=5))
+    stopping = TransformersEngine(str(folder)).generate(PROMPTS, SamplingParams(4, 1.0, 1.0, 20, seed=5))
+    for a, b in zip((c for g in plain for c in g), (c for g in stopping for c in g)):
+        cut = a.token_ids.index(brace) + 1 if brace in a.token_ids else len(a.token_ids)
+        assert b.token_ids == a.token_ids[:cut]                     # the same draw, cut at the new stop
+        assert b.finish_reason == ("stop" if b.token_ids[-1] in (2, brace) else "length")
+    assert any(brace in a.token_ids[:-1] for g in plain for a in g)   # the case occurs
+
+
 def test_engine_is_seeded(base_manifest):
     engine = TransformersEngine(model_path(base_manifest))
     a = engine.generate(PROMPTS, SamplingParams(4, 1.0, 1.0, 20, seed=5))

@@ -23,7 +23,8 @@ def modules() -> dict[str, Path]:
 
 def import_graph() -> dict[str, set[str]]:
     """module -> the project modules it imports anywhere in its body. `from pkg import name`
-    counts as importing pkg.name when that is a module, else pkg."""
+    counts as importing pkg.name when that is a module, else pkg. Importing a.b.c imports
+    the package a.b (its __init__) too, unless that package is the importer's own."""
     mods = modules()
 
     def resolve(name: str) -> str | None:
@@ -41,8 +42,16 @@ def import_graph() -> dict[str, set[str]]:
                            for a in node.names]
             else:
                 continue
-            graph[mod] |= {r for r in map(resolve, targets) if r and r != mod}
+            found = {r for r in map(resolve, targets) if r}
+            found |= {parent for r in found for parent in packages_of(r, mods) if not mod.startswith(parent + ".")}
+            graph[mod] |= found - {mod}
     return graph
+
+
+def packages_of(module: str, mods: dict) -> list[str]:
+    """The project packages above `module` (their __init__ runs when it is imported)."""
+    parts = module.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(1, len(parts))) if p in mods]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

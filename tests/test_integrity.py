@@ -16,7 +16,8 @@ import pytest
 from pipeline import dag
 from pipeline.cli import main
 from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import MANIFEST, DamagedArtifact, Manifest, Store, sha256_file
+from pipeline.errors import DamagedArtifact
+from pipeline.store import MANIFEST, Manifest, Store, sha256_file
 
 
 def copy_artifact(manifest: Manifest, store: Store) -> Manifest:

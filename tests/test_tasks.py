@@ -7,7 +7,8 @@ import pytest
 from pipeline.config import TaskConfig, load_config
 from pipeline.store import MANIFEST
 from pipeline import tasks
-from pipeline.tasks import DatasetError, load_file, splits
+from pipeline.errors import DatasetError
+from pipeline.tasks import load_file, splits
 
 
 @pytest.mark.parametrize("name", ["digit_sort", "arithmetic"])

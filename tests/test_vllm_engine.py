@@ -60,10 +60,16 @@ def test_prompt_seeds_depend_on_global_index_not_on_sharding():
 
 
 def test_sampling_kwargs_are_fully_explicit():
-    kw = ve.vllm_sampling_kwargs(SamplingParams(n=8, temperature=0.7, top_p=1.0, max_new_tokens=3072, seed=5), seed=99)
+    """Every field explicit; the stop ids of both engines; flat log-probs of the sampled token
+    only, and none at all for evaluation (logprobs=False)."""
+    params = SamplingParams(n=8, temperature=0.7, top_p=1.0, max_new_tokens=3072, seed=5)
+    kw = ve.vllm_sampling_kwargs(params, seed=99, stop_ids=[2, 151645])
     assert kw == {"n": 8, "temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                   "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-                  "max_tokens": 3072, "seed": 99, "logprobs": 0, "detokenize": False}
+                  "max_tokens": 3072, "seed": 99, "stop_token_ids": [2, 151645], "logprobs": 0,
+                  "flat_logprobs": True, "detokenize": False}
+    evaluation = SamplingParams(n=8, temperature=0.7, top_p=1.0, max_new_tokens=3072, seed=5, logprobs=False)
+    assert ve.vllm_sampling_kwargs(evaluation, 99, [2])["logprobs"] is None
 
 
 def test_data_parallel_resolution():
@@ -86,9 +92,31 @@ def _output(ids, lps, finish="length"):
     return SimpleNamespace(index=0, token_ids=ids, logprobs=steps, finish_reason=finish)
 
 
-def test_completion_reads_the_sampled_token_logprob():
-    c = ve.completion_from_output(_output([5, 9, 2], [-0.5, -1.25, -3.0], "stop"), 0, _Tok())
+def _flat_output(ids, lps, finish="length"):
+    # the shape of vllm.logprobs.FlatLogprobs (flat_logprobs=True): per position t the entries
+    # start_indices[t]..end_indices[t]-1, the sampled token first; here a second-ranked one too
+    flat = SimpleNamespace(start_indices=[], end_indices=[], token_ids=[], logprobs=[])
+    for t, lp in zip(ids, lps):
+        flat.start_indices.append(len(flat.token_ids))
+        flat.token_ids += [t, t + 1000]
+        flat.logprobs += [lp, lp - 5.0]
+        flat.end_indices.append(len(flat.token_ids))
+    return SimpleNamespace(index=0, token_ids=ids, logprobs=flat, finish_reason=finish)
+
+
+@pytest.mark.parametrize("shape", [_output, _flat_output], ids=["nested", "flat"])
+def test_completion_reads_the_sampled_token_logprob(shape):
+    c = ve.completion_from_output(shape([5, 9, 2], [-0.5, -1.25, -3.0], "stop"), 0, _Tok())
     assert c == Completion(token_ids=[5, 9, 2], logprobs=[-0.5, -1.25, -3.0], finish_reason="stop", text="5 9 2")
+    bare = SimpleNamespace(index=0, token_ids=[5, 9], logprobs=None, finish_reason="length")
+    assert ve.completion_from_output(bare, 0, _Tok(), with_logprobs=False).logprobs == []
+
+
+def test_a_flat_position_whose_first_entry_is_not_the_sampled_token_raises():
+    out = _flat_output([5, 9, 2], [-0.5, -1.0, -1.0])
+    out.logprobs.token_ids[2] = 77          # position 1 starts at entry 2
+    with pytest.raises(ve.VLLMOutputError, match="prompt 3, sample 0, token position 1 "):
+        ve.completion_from_output(out, 3, _Tok())
 
 
 @pytest.mark.parametrize("bad", [math.nan, -math.inf, None])
@@ -212,5 +240,6 @@ def test_sharded_engine_merges_in_prompt_order_and_stops_its_processes(tmp_path,
     finally:
         engine.close()
     assert not any(p.is_alive() for p in procs)
+    assert engine.stop_ids == [engine.tokenizer.eos_token_id]
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate(prompts, params)

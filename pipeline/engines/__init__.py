@@ -1,46 +1,16 @@
-"""Rollout engines: one protocol, a transformers engine (CPU) and a vLLM engine (GPU).
-
-Log-prob convention (recorded in every pool as `logprobs_mode`): the sampled token's
-log-prob under softmax(logits / temperature), before top-p renormalization. The trainer
-computes log-probs the same way (spec section 1), so with top_p = 1 importance ratios at
-step 0 are exactly 1; with top_p < 1 they carry the nucleus renormalization, as vLLM's
-`processed_logprobs` do not: keep top_p = 1 for off-policy corrections to be exact.
+"""Rollout engines: one protocol (base.py: sampling parameters, completions, the log-prob
+and stop-token conventions), a transformers engine (CPU or GPU, hf.py) and a vLLM engine
+(GPU, vllm_engine.py), made by `make_engine`. The engine modules are imported when an
+engine is made: the vLLM one pulls in vLLM and CUDA, the transformers one the model code.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
-from typing import Protocol
 
-LOGPROBS_MODE = "temperature_scaled_before_top_p"
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    n: int
-    temperature: float
-    top_p: float
-    max_new_tokens: int
-    seed: int
-
-
-@dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str       # "stop" (EOS sampled, included in token_ids) | "length"
-    text: str
-
-
-class Engine(Protocol):
-    name: str
-    logprobs_mode: str
-
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
-        """params.n completions for each prompt, in prompt order."""
-        ...
-
+from pipeline.engines.base import LOGPROBS_MODE, Completion, Engine, SamplingParams, stop_token_ids  # noqa: F401
+from pipeline.errors import ConfigError
+from pipeline.engines import vllm_engine as ve
 
 VLLM_MISSING = ("rollout.engine=vllm needs vLLM: pip install -e '.[gpu]' on a CUDA machine, "
                 "or use rollout.engine=transformers")
@@ -49,7 +19,6 @@ VLLM_MISSING = ("rollout.engine=vllm needs vLLM: pip install -e '.[gpu]' on a CU
 def check_vllm() -> None:
     """rollout.engine=vllm needs vLLM importable and a CUDA GPU: a ConfigError otherwise
     (called by preflight before any work, and again when the engine is made)."""
-    from pipeline.config import ConfigError
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(VLLM_MISSING)
     import torch
@@ -61,10 +30,8 @@ def check_vllm() -> None:
 def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto"):
     """Checks before any work (vLLM importable, CUDA present, enough GPUs), then the engine.
     dtype: rollout.dtype; "auto" = bfloat16 (vLLM's usual serving precision)."""
-    from pipeline.config import ConfigError
     check_vllm()
     import torch
-    from pipeline.engines import vllm_engine as ve
     tp = getattr(rollout_cfg, "tensor_parallel_size", 1)
     gpus = ve.visible_gpus(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:

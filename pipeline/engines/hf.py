@@ -13,8 +13,9 @@ from typing import Callable
 import torch
 
 from pipeline import interrupt
-from pipeline.engines import LOGPROBS_MODE, Completion, SamplingParams
+from pipeline.engines.base import LOGPROBS_MODE, Completion, SamplingParams, stop_token_ids
 from pipeline.hf import load_model, load_tokenizer
+from pipeline.runtime import resolve_device
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -51,13 +52,13 @@ class TransformersEngine:
 
     def __init__(self, model_path: str, batch_prompts: int = 64, threads: int = 1, model=None,
                  device: str = "auto", dtype: str = "auto"):
-        from pipeline.runtime import resolve_device
         torch.set_num_threads(threads)
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(model_path)
         self.dtype = weights_dtype(dtype, self.device)
         self.model = model if model is not None else load_model(model_path, self.dtype).to(self.device)
         self.batch_prompts = batch_prompts
+        self.stop_ids = stop_token_ids(model_path, self.tokenizer)     # the same ids vLLM stops on
 
     def generate(self, prompts: list[str], params: SamplingParams,
                  progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
@@ -83,7 +84,7 @@ class TransformersEngine:
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
         attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        eos = tok.eos_token_id
+        stops = torch.tensor(self.stop_ids, device=dev)
         done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
         tokens, logps = [], []
         past, step_ids, step_pos = None, input_ids, pos
@@ -103,20 +104,23 @@ class TransformersEngine:
             nxt = torch.where(done, torch.full_like(nxt, tok.pad_token_id), nxt)
             tokens.append(nxt)
             logps.append(logp.gather(1, nxt[:, None]).squeeze(1))
-            done = done | (nxt == eos)
+            done = done | torch.isin(nxt, stops)
             if bool(done.all()):
                 break
             past, step_ids = getattr(res, "cache", None) or res.past_key_values, nxt[:, None]
             step_pos = step_pos[:, -1:] + 1
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-        return self._completions(torch.stack(tokens, 1), torch.stack(logps, 1), eos)
+        return self._completions(torch.stack(tokens, 1), torch.stack(logps, 1), set(stops.tolist()), params.logprobs)
 
-    def _completions(self, tokens: torch.Tensor, logps: torch.Tensor, eos: int) -> list[Completion]:
+    def _completions(self, tokens: torch.Tensor, logps: torch.Tensor, stops: set[int],
+                     with_logprobs: bool = True) -> list[Completion]:
+        """Each row cut after its first stop token (kept, finish "stop"), else "length"."""
         result = []
         for row_t, row_lp in zip(tokens.tolist(), logps.tolist()):
-            n = row_t.index(eos) + 1 if eos in row_t else len(row_t)
+            end = next((i + 1 for i, t in enumerate(row_t) if t in stops), None)
+            n = end or len(row_t)
             result.append(Completion(
-                token_ids=row_t[:n], logprobs=row_lp[:n],
-                finish_reason="stop" if eos in row_t else "length",
+                token_ids=row_t[:n], logprobs=row_lp[:n] if with_logprobs else [],
+                finish_reason="stop" if end else "length",
                 text=self.tokenizer.decode(row_t[:n], skip_special_tokens=True)))
         return result

@@ -37,7 +37,7 @@ import os
 import multiprocessing.util
 import traceback
 
-from pipeline.engines import Completion, SamplingParams
+from pipeline.engines.base import Completion, SamplingParams, stop_token_ids
 
 # No torch / transformers / vllm at module level: a spawned shard process imports this
 # module first and should reach vLLM's own import (and its CUDA setup) quickly.
@@ -60,14 +60,18 @@ def prompt_seed(seed: int, prompt_index: int) -> int:
     return derive_seed(seed, f"vllm/prompt{prompt_index}") & _SEED_MASK
 
 
-def vllm_sampling_kwargs(params: SamplingParams, seed: int) -> dict:
-    """Every vllm.SamplingParams field that changes the sampled distribution, explicit."""
+def vllm_sampling_kwargs(params: SamplingParams, seed: int, stop_ids: list[int]) -> dict:
+    """Every vllm.SamplingParams field that changes the sampled distribution, explicit; the
+    stop ids the transformers engine uses too (engines/base.py: stop_token_ids)."""
     return {
         "n": params.n, "temperature": params.temperature, "top_p": params.top_p,
         "top_k": NO_TOP_K, "min_p": 0.0, "repetition_penalty": 1.0,
         "presence_penalty": 0.0, "frequency_penalty": 0.0,
         "max_tokens": params.max_new_tokens, "seed": seed,
-        "logprobs": 0,          # the sampled token's log-prob only
+        "stop_token_ids": list(stop_ids),
+        # the sampled token's log-prob only, in flat lists (161 instead of 384 bytes a token
+        # measured); none at all when not asked for (evaluation)
+        "logprobs": 0 if params.logprobs else None, "flat_logprobs": True,
         "detokenize": False,    # text is decoded by self.tokenizer (one convention for all engines)
     }
 
@@ -124,23 +128,38 @@ def resolve_data_parallel(setting: int | str, tensor_parallel_size: int, n_gpus:
     return dp
 
 
-def completion_from_output(out, prompt_index: int, tokenizer) -> Completion:
-    """One vLLM CompletionOutput -> Completion; the sampled token's log-prob is
-    `logprobs[t][token_id].logprob` (logprobs=0 returns just the sampled token)."""
-    ids = list(out.token_ids)
+def sampled_logprobs(out, ids: list[int], prompt_index: int) -> list[float]:
+    """The sampled tokens' log-probs of one vLLM CompletionOutput. With `flat_logprobs`
+    (SamplingParams, vllm/logprobs.py FlatLogprobs) position t's entries start at
+    start_indices[t] and the sampled token comes first (vllm/v1/engine/logprobs.py); the
+    nested form maps token id -> Logprob per position. A missing, NaN or infinite value
+    raises, naming prompt and position: it would poison every importance ratio."""
     steps = out.logprobs
-    if steps is None or len(steps) != len(ids):
+    flat = hasattr(steps, "start_indices")
+    n = None if steps is None else len(steps.start_indices) if flat else len(steps)
+    if n != len(ids):
         raise VLLMOutputError(f"prompt {prompt_index}, sample {out.index}: vLLM returned "
-                              f"{'no' if steps is None else len(steps)} log-prob steps for {len(ids)} tokens")
+                              f"{'no' if n is None else n} log-prob steps for {len(ids)} tokens")
     lps = []
-    for t, (step, tid) in enumerate(zip(steps, ids)):
-        entry = None if step is None else step.get(tid)
-        value = None if entry is None else float(entry.logprob)
+    for t, tid in enumerate(ids):
+        if flat:
+            k = steps.start_indices[t]
+            value = float(steps.logprobs[k]) if k < steps.end_indices[t] and steps.token_ids[k] == tid else None
+        else:
+            entry = None if steps[t] is None else steps[t].get(tid)
+            value = None if entry is None else float(entry.logprob)
         if value is None or not math.isfinite(value):
             raise VLLMOutputError(f"prompt {prompt_index}, sample {out.index}, token position {t} "
                                   f"(id {tid}): sampled-token log-prob is {value}; refusing to record it "
                                   "(check rollout.top_p / temperature and the model's dtype)")
         lps.append(value)
+    return lps
+
+
+def completion_from_output(out, prompt_index: int, tokenizer, with_logprobs: bool = True) -> Completion:
+    """One vLLM CompletionOutput -> Completion (log-probs only when they were asked for)."""
+    ids = list(out.token_ids)
+    lps = sampled_logprobs(out, ids, prompt_index) if with_logprobs else []
     if out.finish_reason not in ("stop", "length"):
         raise VLLMOutputError(f"prompt {prompt_index}, sample {out.index}: finish_reason "
                               f"'{out.finish_reason}' (expected stop or length)")
@@ -149,10 +168,10 @@ def completion_from_output(out, prompt_index: int, tokenizer) -> Completion:
 
 
 def generate_on(llm, tokenizer, prompt_ids: list[list[int]], params: SamplingParams,
-                offset: int) -> list[list[Completion]]:
+                offset: int, stop_ids: list[int]) -> list[list[Completion]]:
     """Generate with one vLLM engine; `offset` is the global index of prompt_ids[0]."""
     from vllm import SamplingParams as VParams
-    sps = [VParams(**vllm_sampling_kwargs(params, prompt_seed(params.seed, offset + i)))
+    sps = [VParams(**vllm_sampling_kwargs(params, prompt_seed(params.seed, offset + i), stop_ids))
            for i in range(len(prompt_ids))]
     requests = [{"prompt_token_ids": ids} for ids in prompt_ids]   # a vllm TokensPrompt
     outputs = llm.generate(requests, sps, use_tqdm=False)
@@ -161,7 +180,7 @@ def generate_on(llm, tokenizer, prompt_ids: list[list[int]], params: SamplingPar
         samples = sorted(req.outputs, key=lambda o: o.index)
         if len(samples) != params.n:
             raise VLLMOutputError(f"prompt {offset + i}: vLLM returned {len(samples)} samples, expected {params.n}")
-        result.append([completion_from_output(o, offset + i, tokenizer) for o in samples])
+        result.append([completion_from_output(o, offset + i, tokenizer, params.logprobs) for o in samples])
     return result
 
 
@@ -188,8 +207,8 @@ def _shard_main(shard: int, devices: str, model_path: str, engine_kwargs: dict, 
                 return
             if job is None:
                 return
-            prompt_ids, params, offset = job
-            conn.send(("ok", generate_on(llm, tokenizer, prompt_ids, params, offset)))
+            prompt_ids, params, offset, stop_ids = job
+            conn.send(("ok", generate_on(llm, tokenizer, prompt_ids, params, offset, stop_ids)))
     except BaseException:
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))
@@ -221,6 +240,7 @@ class VLLMEngine:
         from pipeline.seeding import derive_seed
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path)
+        self.stop_ids = stop_token_ids(model_path, self.tokenizer)      # the transformers engine's too
         self.tp, self.dp = tensor_parallel_size, data_parallel
         self.gpu_ids = gpu_ids if gpu_ids is not None else [str(i) for i in range(self.dp * self.tp)]
         if self.dp * self.tp > len(self.gpu_ids):
@@ -242,7 +262,7 @@ class VLLMEngine:
         if not ids:
             return []
         if self.llm is not None:
-            return generate_on(self.llm, self.tokenizer, ids, params, offset=0)
+            return generate_on(self.llm, self.tokenizer, ids, params, 0, self.stop_ids)
         if not self._workers:
             raise RuntimeError("this VLLMEngine was closed")
         return self._generate_sharded(ids, params)
@@ -280,7 +300,7 @@ class VLLMEngine:
         ranges = shard_ranges(len(ids), self.dp)
         try:
             for k, (start, end) in enumerate(ranges):        # all shards start before any is read
-                self._workers[k][1].send((ids[start:end], params, start))
+                self._workers[k][1].send((ids[start:end], params, start, self.stop_ids))
             return merge_shards(ranges, [self._receive(k) for k in range(len(ranges))], len(ids))
         except BaseException:
             _stop_workers(self._workers)     # shards out of step with each other: unusable

@@ -16,10 +16,10 @@ from pipeline.config import PipelineConfig
 from pipeline.hf import load_tokenizer
 from pipeline.schemas import TRAIN_METRICS, write_parquet
 from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store
-from stages.base import model_path
-from stages.train import distributed
-from stages.train.loop import TrainingError, load_pool, snapshot_files, train
+from pipeline.store import Manifest, Store, model_path
+from stages.train import distributed, torchrun
+from pipeline.errors import TrainingError
+from stages.train.loop import load_pool, snapshot_files, train
 from stages.train.order import order_hash
 
 
@@ -41,7 +41,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     tokenizer = load_tokenizer(base_path)
     pool = load_pool(inputs["pool"].path("train_pool"), cfg.rollout.group_size, cfg.train.needs_behavior_logprobs())
     if distributed.wanted(cfg.train):     # torchrun, FSDP2 ranks running the same loop
-        rows = distributed.launch(cfg, base_path, inputs["pool"].path("train_pool"), folder)
+        rows = torchrun.launch(cfg, base_path, inputs["pool"].path("train_pool"), folder)
     else:
         rows = train(cfg, pool, base_path, tokenizer, folder)
     n = write_parquet({k: [r.get(k) for r in rows] for k in TRAIN_METRICS.names}, TRAIN_METRICS, folder / "metrics.parquet")

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from pipeline.store import fsync_rename, write_text_atomic
+from stages.train.distributed import after_checkpoint, current, is_sharded
 
 NAME = "latest.pt"
 POINTER = "latest-dcp.json"
@@ -35,7 +36,6 @@ META = "meta.pt"
 
 def save(folder: Path, *, update: int, model, optimizer, reference, metrics: list[dict],
          lp_old: dict | None = None, block_s: list[float] | None = None) -> None:
-    from stages.train.distributed import after_checkpoint, is_sharded
     meta = {
         "update": update,
         "reference": reference.state_dict() if reference is not None else None,
@@ -60,7 +60,6 @@ def _save_dcp(folder: Path, update: int, model, optimizer, meta: dict) -> None:
     """Collective: every rank calls it after the same update."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from stages.train.distributed import current
     d = current()
     name = f"dcp-{update:06d}"
     tmp, final = folder / f".{name}.tmp", folder / name
@@ -103,7 +102,6 @@ def load(folder: Path) -> dict | None:
 
 
 def restore(state: dict, *, model, optimizer, reference) -> tuple[int, list[dict]]:
-    from stages.train.distributed import is_sharded
     if "dcp" in state:
         _restore_dcp(Path(state["dcp"]), model, optimizer)
     elif is_sharded(model):

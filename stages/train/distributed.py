@@ -1,20 +1,20 @@
 """Data-parallel, sharded training under torchrun: the same loop on every rank.
 
-Launch. With `train.nproc > 1` (or `train.nnodes > 1`) the train stage's build calls
-`launch`, which runs
-
-    torchrun --nproc-per-node N --nnodes K --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
-        -m stages.train.distributed --config C --base B --pool P --folder F
-
-(one node: a free port on 127.0.0.1). Every rank (`main`) loads the pool and the base
-model, joins the process group (nccl on CUDA, each rank on cuda:LOCAL_RANK; gloo on the
-CPU) and runs `loop.train`, the single-process loop; the distributed behaviour lives in the
-functions it calls, which ask `current()` for the rank context:
+Launch: torchrun.py (`launch` in the stage's process, `main` on every rank). Every rank
+loads the pool and the base model, joins the process group (`init`: nccl on CUDA, each
+rank on cuda:LOCAL_RANK; gloo on the CPU) and runs `loop.train`, the single-process loop;
+the distributed behaviour lives in the functions it calls, which ask `current()` for the
+rank context. This module imports nothing of the loop or the checkpoints:
 
 - the policy is FSDP2-sharded (`shard_policy`: `fully_shard` per decoder layer, then the
-  root), with `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)` when the runtime
-  computes in bf16 (fp32 master weights and optimizer state stay sharded), none in fp32; on
-  the CPU an explicit `init_device_mesh("cpu", ...)` mesh (pytorch#132471). Gradients are
+  root); on the CPU an explicit `init_device_mesh("cpu", ...)` mesh (pytorch#132471).
+  Precision (`train.fsdp_param_dtype`): "float32" (default) keeps fp32 parameters and runs
+  the forward under the runtime's bf16 autocast, exactly as one process does, so the
+  residual stream and the norms stay fp32; "bfloat16" is FSDP's
+  `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: parameters all-gathered in
+  bf16 (half the communication), the residual stream in bf16 too, so results differ from
+  one process by more than rounding order. fp32 master weights and optimizer state stay
+  sharded either way. Gradients are
   SUMMED over ranks, not averaged: each rank's loss is already divided by the update's
   global token count T_tot. The reference policy is frozen and replicated (every rank holds
   it whole, bf16 on CUDA); a refresh copies the gathered full policy into it;
@@ -32,25 +32,20 @@ functions it calls, which ask `current()` for the rank context:
 - checkpoints go through torch.distributed.checkpoint (checkpoint.py), the final `model/`
   and snapshots are written by rank 0 from the gathered full state dict.
 
-Any rank's failure makes torchrun exit non-zero; `launch` then raises a one-line
-TrainingError, so `run_stage` writes no manifest, and a rerun resumes from the last
-complete checkpoint. The parent reads the metrics rows back from that final checkpoint.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
-import subprocess
-import sys
-import tempfile
 import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from pipeline.runtime import resolve_device
+from stages.train.policy import token_logprobs
 
 # test hook: "RANK:UPDATE" makes that rank die (os._exit(9)) right after the checkpoint of
 # that update, as a killed worker would
@@ -124,7 +119,6 @@ def init(device_setting: str) -> Dist:
     """Join torchrun's process group: nccl on CUDA (this rank on cuda:LOCAL_RANK), gloo on
     the CPU. `device_setting` is train.device (auto | cpu | cuda)."""
     global _CURRENT
-    from pipeline.runtime import resolve_device
     cuda = resolve_device(device_setting).type == "cuda"
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -133,7 +127,16 @@ def init(device_setting: str) -> Dist:
     return _CURRENT
 
 
-def shard_policy(model, autocast_dtype: torch.dtype | None):
+def mixed_precision(autocast_dtype: torch.dtype | None, fsdp_param_dtype: str):
+    """FSDP's MixedPrecisionPolicy for the runtime's autocast dtype and train.fsdp_param_dtype:
+    bf16 parameters only when asked for; otherwise none (fp32, the autocast does the rest)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    if autocast_dtype is not None and fsdp_param_dtype == "bfloat16":
+        return MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def shard_policy(model, autocast_dtype: torch.dtype | None, fsdp_param_dtype: str = "float32"):
     """FSDP2 over the current mesh: each decoder layer, then the root (which keeps the
     embeddings, final norm and, tied or not, the LM head). The log-prob entry point
     `ggpo_token_logprobs` is registered as an FSDP forward method, because the chunked
@@ -142,10 +145,8 @@ def shard_policy(model, autocast_dtype: torch.dtype | None):
     d = current()
     if d is None:
         return model
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
-    from stages.train.policy import token_logprobs
-    mp = (MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
-          if autocast_dtype is not None else MixedPrecisionPolicy())
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+    mp = mixed_precision(autocast_dtype, fsdp_param_dtype)
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     for layer in body.layers:
         fully_shard(layer, mesh=d.mesh, mp_policy=mp)
@@ -231,78 +232,3 @@ def after_checkpoint(update: int) -> None:
 def wanted(tc) -> bool:
     """Does this train config ask for torchrun (several ranks or nodes)?"""
     return tc.nproc > 1 or tc.nnodes > 1
-
-
-def torchrun_argv(tc, rank_args: list[str]) -> list[str]:
-    """The torchrun command for train.nproc / nnodes / rdzv_endpoint."""
-    from pipeline.services import free_port
-    endpoint = tc.rdzv_endpoint if tc.nnodes > 1 else f"127.0.0.1:{free_port()}"
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tc.nproc),
-            "--nnodes", str(tc.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--max-restarts", "0", "-m", "stages.train.distributed", *rank_args]
-
-
-def launch(cfg, base_path: str, pool_path: Path, folder: Path) -> list[dict]:
-    """Runs the training under torchrun and returns the metrics rows (from the final
-    checkpoint). Any rank failing: one-line TrainingError, nothing committed."""
-    from stages.train import checkpoint
-    from stages.train.loop import TrainingError
-    tc = cfg.train
-    with tempfile.TemporaryDirectory(prefix="ggpo-torchrun-") as tmp:
-        conf = Path(tmp) / "config.json"
-        conf.write_text(cfg.model_dump_json())
-        argv = torchrun_argv(tc, ["--config", str(conf), "--base", str(base_path),
-                                  "--pool", str(pool_path), "--folder", str(folder)])
-        env = os.environ | {"OMP_NUM_THREADS": str(cfg.model.threads)}
-        proc = subprocess.run(argv, cwd=Path(__file__).resolve().parents[2], env=env,
-                              stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        last = _last_error(proc.stderr)
-        sys.stderr.write(proc.stderr[-4000:])
-        raise TrainingError(f"train: torchrun ({tc.nproc} x {tc.nnodes} ranks) exited {proc.returncode}"
-                            f"{': ' + last if last else ''}; checkpoints kept in {folder / 'checkpoints'}, "
-                            "rerun the same command to resume")
-    state = checkpoint.load(folder / "checkpoints")
-    if state is None or state["update"] != tc.updates:
-        raise TrainingError(f"train: torchrun exited 0 but {folder / 'checkpoints'} holds no final checkpoint")
-    return state["metrics"]
-
-
-def _last_error(stderr: str) -> str:
-    """The most telling line of a failed torchrun: a rank's exception, else its exit code."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "Error:" in ln or "Error " in ln.split(":")[0]:
-            return ln[:300]
-    for ln in reversed(lines):
-        if "exitcode" in ln:
-            return ln[:300]
-    return ""
-
-
-def main(argv: list[str] | None = None) -> None:
-    """One rank: the single-process loop with the rank context set up first."""
-    ap = argparse.ArgumentParser(prog="python -m stages.train.distributed")
-    for name in ("--config", "--base", "--pool", "--folder"):
-        ap.add_argument(name, required=True)
-    args = ap.parse_args(argv)
-    from pipeline.config import PipelineConfig
-    from pipeline.hf import load_tokenizer
-    from stages.train.loop import load_pool, train
-    cfg = PipelineConfig.model_validate(json.loads(Path(args.config).read_text()))
-    torch.set_num_threads(cfg.model.threads)
-    d = init(cfg.train.device)
-    if not d.is_main:
-        os.environ["GGPO_PROGRESS"] = "0"      # one progress display: rank 0's
-    if d.is_main:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        pool = load_pool(Path(args.pool), cfg.rollout.group_size, cfg.train.needs_behavior_logprobs())
-        train(cfg, pool, args.base, load_tokenizer(args.base), Path(args.folder))
-        d.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

@@ -25,6 +25,7 @@ import torch
 
 from pipeline import interrupt
 from pipeline.config import PipelineConfig, TrainConfig
+from pipeline.errors import TrainingError
 from pipeline.hf import load_model
 from pipeline.progress import Progress
 from pipeline.runtime import Runtime, make_runtime
@@ -37,10 +38,6 @@ from stages.train.policy import Batch, make_batch, token_logprobs
 
 
 log = logging.getLogger("ggpo")
-
-
-class TrainingError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -268,7 +265,7 @@ def new_state(cfg: PipelineConfig, policy_path: str, reference_path: str, rt: Ru
     """Policy from `policy_path`, reference from `reference_path`, a fresh AdamW."""
     tc = cfg.train
     model, reference = rt.prepare(load_model(policy_path)), rt.prepare_reference(load_model(reference_path))
-    model = distributed.shard_policy(model, rt.autocast_dtype)     # under torchrun only; before the optimizer
+    model = distributed.shard_policy(model, rt.autocast_dtype, tc.fsdp_param_dtype)   # under torchrun only; before the optimizer
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
     return TrainState(model, reference, opt)
 
