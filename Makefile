@@ -1,12 +1,20 @@
 # make demo: set up, start the services, run the deployment ggpo/offline on the embedded default
 # (its stage logs stream here; Ctrl-C cancels the Prefect run, which stops at safe points).
 # make test: set up, run the test suite (it starts its own servers on free ports).
-# GPU users: make demo TORCH_SPEC="torch" (or any CUDA build) and pip install -e '.[gpu]'.
+# GPU users: make install GPU=1 (torch 2.14.0, the build vLLM 0.33 pins, and the gpu extra), then make demo.
 PYTHON ?= python3
 VENV ?= .venv
+GPU ?= 0
+GPU_TORCH_SPEC := torch==2.14.0
+ifeq ($(GPU),1)
+TORCH_SPEC ?= $(GPU_TORCH_SPEC)
+EXTRAS := dev,ray,gpu
+else
 TORCH_SPEC ?= torch==2.13.0
+EXTRAS := dev,ray
+endif
 BIN := $(abspath $(VENV))/bin
-STAMP := $(VENV)/.ggpo-installed
+STAMP := $(VENV)/.ggpo-installed-gpu$(GPU)
 
 .PHONY: install demo test down
 
@@ -14,7 +22,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[dev,ray]'
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -242,3 +242,50 @@ def test_paper_preset_rollout_runs_on_cpu_past_its_training_file(base_manifest):
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("  summary "))[10:])
     assert (summary["prompts"], summary["task_rows"], summary["task_rows_skipped"]) == (2, 12000, 2)
+
+
+def test_a_bf16_reference_keeps_fp32_rotary_frequencies_at_long_positions():
+    """The bf16 reference casts parameters only: its rotary inv_freq stays fp32, and its
+    log-probs up to position 4,096 equal those of a model whose parameters alone were cast
+    by hand. Module.to(bf16) (what the runtime did) moves them: the check can fail."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from stages.train.policy import make_batch, token_logprobs
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=32, intermediate_size=64, max_position_embeddings=8192)
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():        # sharp attention, so positions matter (random init is nearly uniform)
+        for p in model.parameters():
+            p.normal_(0.0, 0.5) if p.dim() > 1 else p.fill_(1.0)
+    rt = make_runtime(load_config("smoke", ["train.dtype=bfloat16", "train.device=cpu"]).train)
+    import copy
+    reference = rt.prepare_reference(copy.deepcopy(model))
+    by_hand = copy.deepcopy(model)
+    for p in by_hand.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    whole = copy.deepcopy(model).to(torch.bfloat16)
+    assert all(b.dtype == torch.float32 for n, b in reference.named_buffers() if "inv_freq" in n)
+    ids = torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(1)).tolist()
+    batch = make_batch([ids[:8]], [ids[8:]], pad_id=0)
+    with torch.no_grad(), rt.autocast():
+        lp = [token_logprobs(m, batch, 1.0)[0][0, 1024:] for m in (reference, by_hand, whole)]
+    assert torch.equal(lp[0], lp[1])
+    moved = (lp[2] - lp[1]).abs().mean()
+    print(f"\nmean |log-prob change| from casting inv_freq to bf16, positions 1,032-4,095: {moved:.4f}")
+    assert moved > 1e-2                                 # the buffer cast moves long-range log-probs
+
+
+@pytest.mark.parametrize("temperature", [2.5, 3.0])
+def test_temperature_outside_vllms_range_is_refused_in_preflight(temperature):
+    with pytest.raises(ConfigError, match=rf"rollout.temperature={temperature}: vLLM accepts temperatures in \[0, 2\]"):
+        preflight(load_config("smoke", ["rollout.engine=vllm", f"rollout.temperature={temperature}"]))
+
+
+def test_fsdp_keeps_fp32_parameters_unless_asked():
+    """Under FSDP the default matches one process (fp32 parameters, bf16 autocast); bf16
+    parameters only with train.fsdp_param_dtype=bfloat16."""
+    from stages.train.distributed import mixed_precision
+    assert mixed_precision(torch.bfloat16, "float32").param_dtype is None
+    assert mixed_precision(torch.bfloat16, "bfloat16").param_dtype == torch.bfloat16
+    assert mixed_precision(None, "bfloat16").param_dtype is None
+    assert load_config("smoke").train.fsdp_param_dtype == "float32"
