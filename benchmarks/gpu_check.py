@@ -10,10 +10,15 @@ then reports, each section on its own so one failure does not hide the others:
 
   (a) train: one optimizer update at the preset geometry (32 groups x 8 responses, method
       GGPO, bf16 autocast, gradient checkpointing, the preset's micro-batch token budget)
-      with 1,024- and 3,072-token responses of random token ids after short prompts:
-      seconds, response tokens/s, MFU = 6 x params x (prompt + response tokens) / seconds /
-      989e12 (H200 dense bf16 peak; policy forward + backward only, so the reference
-      forward and checkpoint recompute count as overhead), and peak GPU memory.
+      with 1,024- and 3,072-token responses of random token ids after short prompts, in
+      both layouts, padded rows and packed rows (train.packing=on: flash-attn's varlen
+      kernels when installed, else flex attention): seconds, response tokens/s, peak GPU
+      memory and MFU = model FLOPs / seconds / 989e12 (H200 dense bf16 peak), with
+      model FLOPs = 6 N T + 6 L H d sum_i l_i^2 over the real tokens only: N parameters,
+      T prompt + response tokens, and per sequence i of l_i tokens the causal attention's
+      QK^T and AV products (2 l_i^2 H d a layer forward, times 3 with backward; L layers,
+      H heads of d). Padding does no useful work, so the packed layout's gain shows as MFU.
+      The reference forward and checkpoint recompute count as overhead.
   (b) the transformers engine's generation tokens/s (64 prompts x 256 new tokens).
   (c) vLLM's generation tokens/s through the project's VLLMEngine, or "vllm: not installed".
 
@@ -132,7 +137,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def one_update(model, reference, opt, pool, cfg, rt, n_params: int) -> dict:
+def model_flops(pool, groups: list[int], n_params: int, g: dict) -> float:
+    """6 N T + 6 L H d sum_i l_i^2 over real tokens (module docstring)."""
+    seqs = [len(pool.prompt_ids[j]) + len(r) for j in groups for r in pool.responses[j]]
+    return 6 * n_params * sum(seqs) + 6 * g["layers"] * g["heads"] * g["head_dim"] * sum(s * s for s in seqs)
+
+
+def one_update(model, reference, opt, pool, cfg, rt, n_params: int, g: dict) -> dict:
     """run_update + optimizer step, timed; the figures of one update."""
     from stages.train.loop import run_update
     if rt.device.type == "cuda":
@@ -151,7 +162,7 @@ def one_update(model, reference, opt, pool, cfg, rt, n_params: int) -> dict:
     out = {"response_tokens": row["tokens"], "all_tokens": all_tokens, "seconds": round(seconds, 3),
            "fwd_bwd_seconds": round(t1 - t0, 3), "step_seconds": round(seconds - (t1 - t0), 3),
            "tokens_per_s": round(row["tokens"] / seconds, 1),
-           "mfu": round(6 * n_params * all_tokens / seconds / PEAK_FLOPS, 4),
+           "mfu": round(model_flops(pool, groups, n_params, g) / seconds / PEAK_FLOPS, 4),
            "loss": row["loss"], "grad_norm": row["grad_norm"]}
     if rt.device.type == "cuda":
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -159,37 +170,49 @@ def one_update(model, reference, opt, pool, cfg, rt, n_params: int) -> dict:
 
 
 def train_section(model, g: dict, args) -> dict:
-    """(a): one update per response length, after an untimed warm-up update."""
+    """(a): one update per layout and response length, after an untimed warm-up update of
+    each layout (kernels, allocator, optimizer state, flex attention's compile)."""
     import copy
 
     from pipeline.config import load_config
     from pipeline.runtime import make_runtime
-    cfg = load_config("tiny", {
-        "train.method": "ggpo", "train.groups_per_update": g["groups"], "rollout.group_size": g["group_size"],
-        "rollout.temperature": 1.0, "train.micro_batch_tokens": args.micro_batch_tokens,
-        "train.gradient_checkpointing": True, "train.device": "auto", "train.dtype": "auto"})
-    rt = make_runtime(cfg.train)
-    print(f"runtime: device {rt.device}, autocast {rt.autocast_dtype}, checkpointing {rt.gradient_checkpointing}, "
-          f"micro_batch_tokens {cfg.train.micro_batch_tokens}, logprob {rt.logprob_impl}/{rt.chunk_tokens}")
-    reference = rt.prepare_reference(copy.deepcopy(model))
-    policy = rt.prepare(model)
-    policy.train()
-    n_params = sum(p.numel() for p in policy.parameters())
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas))
-    result = {"params": n_params, "micro_batch_tokens": cfg.train.micro_batch_tokens, "updates": []}
-    print(f"params {n_params / 1e9:.3f} B")
-    warm = make_pool(g | {"groups": 2}, 64, seed=1)   # kernels, allocator and optimizer state
-    one_update(policy, reference, opt, warm, cfg, rt, n_params)
-    for length in g["lengths"]:
+    result = {"micro_batch_tokens": args.micro_batch_tokens, "updates": []}
+    for packing in ("off", "on"):
+        cfg = load_config("tiny", {
+            "train.method": "ggpo", "train.groups_per_update": g["groups"], "rollout.group_size": g["group_size"],
+            "rollout.temperature": 1.0, "train.micro_batch_tokens": args.micro_batch_tokens,
+            "train.gradient_checkpointing": True, "train.device": "auto", "train.dtype": "auto",
+            "train.packing": packing})
+        rt = make_runtime(cfg.train)
+        layout = f"packed ({rt.attn_implementation})" if rt.packed else "padded"
+        print(f"runtime: device {rt.device}, autocast {rt.autocast_dtype}, checkpointing {rt.gradient_checkpointing}, "
+              f"micro_batch_tokens {cfg.train.micro_batch_tokens}, logprob {rt.logprob_impl}/{rt.chunk_tokens}, {layout}")
+        reference = rt.prepare_reference(copy.deepcopy(model))
+        policy = rt.prepare(copy.deepcopy(model))
+        policy.train()
+        n_params = sum(p.numel() for p in policy.parameters())
+        result["params"] = n_params
+        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas))
         try:
-            r = {"response_length": length} | one_update(policy, reference, opt, make_pool(g, length, seed=length),
-                                                          cfg, rt, n_params)
-        except torch.OutOfMemoryError as exc:
-            r = {"response_length": length, "error": f"out of memory: {str(exc)[:300]}"}
+            one_update(policy, reference, opt, make_pool(g | {"groups": 2}, 64, seed=1), cfg, rt, n_params, g)
+        except Exception as exc:         # a layout that cannot run here: said, the other still runs
+            result["updates"].append({"layout": layout, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            print(json.dumps(result["updates"][-1]))
+            continue
+        for length in g["lengths"]:
+            try:
+                r = {"layout": layout, "response_length": length} | one_update(
+                    policy, reference, opt, make_pool(g, length, seed=length), cfg, rt, n_params, g)
+            except torch.OutOfMemoryError as exc:
+                r = {"layout": layout, "response_length": length, "error": f"out of memory: {str(exc)[:300]}"}
+                torch.cuda.empty_cache()
+            print(json.dumps(r))
+            result["updates"].append(r)
+        del policy, reference, opt
+        gc.collect()
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        print(json.dumps(r))
-        result["updates"].append(r)
-    del policy, reference, opt
+    print(f"params {result.get('params', 0) / 1e9:.3f} B")
     return result
 
 
@@ -245,6 +268,18 @@ def vllm_section(folder: Path, g: dict) -> dict:
     return r
 
 
+def model_section(g: dict, device: torch.device, folder: Path, built: dict) -> dict:
+    """The model and tokenizer, saved as an HF folder (the generation sections load it)."""
+    from pipeline.tiny_model import save
+    t0 = time.perf_counter()
+    tok = build_tokenizer(g["tok_vocab"])
+    built["model"] = build_model(g, device)
+    save(built["model"], tok, folder)
+    print(f"built and saved {folder} in {time.perf_counter() - t0:.1f} s "
+          f"(tokenizer vocab {len(tok)}, model vocab {g['vocab']})")
+    return {"seconds": round(time.perf_counter() - t0, 1), "tokenizer_vocab": len(tok)}
+
+
 def guarded(name: str, results: dict, fn, *a) -> None:
     """Runs one section; a failure is printed and recorded, and the next section still runs."""
     section(name)
@@ -272,25 +307,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     start = time.perf_counter()
-    section("environment")
-    results: dict = {"environment": environment(), "quick": args.quick, "geometry": g}
+    results: dict = {"quick": args.quick, "geometry": g}
+    guarded("environment", results, environment)
     with tempfile.TemporaryDirectory(prefix="ggpo-gpu-check-") as tmp:
-        section("model")
-        from pipeline.tiny_model import save
-        t0 = time.perf_counter()
-        tok = build_tokenizer(g["tok_vocab"])
-        model = build_model(g, device)
         folder = Path(tmp) / "model"
-        save(model, tok, folder)
-        print(f"built and saved {folder} in {time.perf_counter() - t0:.1f} s "
-              f"(tokenizer vocab {len(tok)}, model vocab {g['vocab']})")
+        built: dict = {}
+        guarded("model", results, model_section, g, device, folder, built)
+        model = built.pop("model", None)
+        missing = {"error": "skipped: no model (see the section model)"}
         if "train" not in args.skip:
-            guarded("train", results, train_section, model, g, args)
+            guarded("train", results, train_section, model, g, args) if model is not None else results.update(train=missing)
         del model
-        if "transformers" not in args.skip:
-            guarded("transformers", results, transformers_section, folder, g, device, args.threads)
-        if "vllm" not in args.skip:
-            guarded("vllm", results, vllm_section, folder, g)
+        for name, fn, extra in (("transformers", transformers_section, (device, args.threads)), ("vllm", vllm_section, ())):
+            if name not in args.skip:
+                if (folder / "config.json").exists():
+                    guarded(name, results, fn, folder, g, *extra)
+                else:
+                    results[name] = missing
     results["total_seconds"] = round(time.perf_counter() - start, 1)
     section("summary")
     print(json.dumps(results, indent=1, default=str))

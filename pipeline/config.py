@@ -130,6 +130,11 @@ class TrainConfig(Section):
     # chunked: hidden states -> LM head per chunk, never a [tokens, vocab] tensor (policy.py);
     # full: the plain logits path, kept as the reference implementation for parity checks
     logprob_impl: Literal["chunked", "full"] = "chunked"
+    # padding-free micro-batches (policy.make_batch): auto = on CUDA when flash-attn is installed
+    # (varlen kernels); on = always (flash-attn, else flex attention on CUDA; sdpa with a
+    # block-diagonal mask on the CPU: correct, for checks, not faster there); off = padded rows
+    packing: Literal["auto", "on", "off"] = "auto"
+    reference_cache: bool = True     # reference log-probs once per group per reference window
     checkpoint_every: int = Field(10, ge=1)
     diagnostics_block: int = Field(8, ge=1)     # updates per sequence-ESS block (spec 9)
     eval_every: int | None = None               # also snapshot the policy every this many updates
@@ -312,10 +317,11 @@ class PipelineConfig(Section):
         return out
 
 
-# Placement, not content: fields that say where a stage runs, not what it computes (nproc=2
-# gives nproc=1's result up to float reduction order). Never in a key or a manifest's config,
-# so existing keys stay and a run can resume under another placement.
-KEY_EXCLUDE = ("train.nproc", "train.nnodes", "train.rdzv_endpoint")
+# Placement, not content: fields that say where or how a stage runs, not what it computes
+# (nproc=2 and packed micro-batches give nproc=1's padded result up to float reduction
+# order; the reference cache gives it exactly). Never in a key or a manifest's config, so
+# existing keys stay and a run can resume under another placement.
+KEY_EXCLUDE = ("train.nproc", "train.nnodes", "train.rdzv_endpoint", "train.packing", "train.reference_cache")
 
 
 def preset_names() -> list[str]:

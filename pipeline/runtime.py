@@ -14,6 +14,7 @@ run needs before it starts (device, engine, model, data, disk) is pipeline/prefl
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ class Runtime:
     chunk_tokens: int                       # LM-head chunk for log-probs (tokens)
     logprob_impl: str                       # "chunked" | "full"
     param_dtype: torch.dtype = torch.float32  # master weights; float64 only for exact checks
+    packed: bool = False                    # padding-free micro-batches (policy.make_batch)
+    attn_implementation: str | None = None  # set on policy and reference when packed
 
     def autocast(self):
         """The forward's precision context (fp32 master weights stay fp32)."""
@@ -50,9 +53,15 @@ class Runtime:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    def attention(self, model):
+        """The attention kernel packed rows need (None: the model's own)."""
+        if self.attn_implementation:
+            model.set_attn_implementation(self.attn_implementation)
+        return model
+
     def prepare(self, model):
         """The trained policy: fp32 weights on the device, checkpointing as configured."""
-        model = model.to(device=self.device, dtype=self.param_dtype)
+        model = self.attention(model.to(device=self.device, dtype=self.param_dtype))
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.config.use_cache = False
@@ -66,7 +75,7 @@ class Runtime:
         else:
             model = cast_parameters(model, self.autocast_dtype or torch.float32, self.reference_device)
         model.requires_grad_(False)
-        return model.eval()
+        return self.attention(model).eval()
 
 
 def resolve_device(name: str, setting: str = "train.device") -> torch.device:
@@ -80,12 +89,28 @@ def resolve_device(name: str, setting: str = "train.device") -> torch.device:
     return torch.device(name)
 
 
+def packing_plan(setting: str, device: torch.device) -> tuple[bool, str | None]:
+    """(packed, attention implementation) for train.packing on `device`. Packed rows need
+    an attention that isolates them cheaply: flash-attn's varlen kernels (from the rows'
+    position_ids) on CUDA; else flex attention's block-sparse mask; on the CPU sdpa with a
+    dense block-diagonal mask (exact, but quadratic in the whole micro-batch: for checks)."""
+    if setting == "off":
+        return False, None
+    if device.type == "cuda":
+        if importlib.util.find_spec("flash_attn") is not None:
+            return True, "flash_attention_2"
+        return (True, "flex_attention") if setting == "on" else (False, None)
+    return (True, "sdpa") if setting == "on" else (False, None)
+
+
 def make_runtime(tc: TrainConfig) -> Runtime:
     device = resolve_device(tc.device)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else None,
              "float32": None, "float64": None, "bfloat16": torch.bfloat16}[tc.dtype]
     ref_device = torch.device("cpu") if tc.reference_device == "cpu" else device
+    packed, attention = packing_plan(tc.packing, device)
     return Runtime(device=device, autocast_dtype=dtype, reference_device=ref_device,
                    gradient_checkpointing=tc.gradient_checkpointing,
                    chunk_tokens=tc.logprob_chunk_tokens, logprob_impl=tc.logprob_impl,
-                   param_dtype=torch.float64 if tc.dtype == "float64" else torch.float32)
+                   param_dtype=torch.float64 if tc.dtype == "float64" else torch.float32,
+                   packed=packed, attn_implementation=attention)

@@ -289,3 +289,116 @@ def test_fsdp_keeps_fp32_parameters_unless_asked():
     assert mixed_precision(torch.bfloat16, "bfloat16").param_dtype == torch.bfloat16
     assert mixed_precision(None, "bfloat16").param_dtype is None
     assert load_config("smoke").train.fsdp_param_dtype == "float32"
+
+
+# --- padding-free micro-batches, the reference cache, one host sync per update ---------------
+
+def _lm(tied: bool, dtype: torch.dtype):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=16, intermediate_size=64, tie_word_embeddings=tied)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.set_attn_implementation("sdpa")
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_packed_rows_give_the_padded_logprobs_and_gradients(tied, dtype):
+    """Rows of very different lengths, padded [B, L] and packed [1, sum] (position ids
+    restarting per row, no mask): the same log-probs and parameter gradients within the
+    dtype's rounding (two computations; scale: the largest logit / gradient, terms: the
+    longest sum, the vocabulary), for tied and untied heads."""
+    from stages.train.policy import make_batch, token_logprobs
+    from tolerance import assert_close
+    model = _lm(tied, dtype)
+    g = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(3, 300, (n,), generator=g).tolist()    # noqa: E731
+    prompts, responses = [ids(5), ids(9), ids(2)], [ids(40), ids(3), ids(17)]
+    out = {}
+    for packed in (False, True):
+        b = make_batch(prompts, responses, 0, packed=packed)
+        lp, _ = token_logprobs(model, b, 0.7, impl="chunked", chunk_tokens=16)
+        coef = torch.randn(lp.shape, generator=torch.Generator().manual_seed(4), dtype=dtype) * b.mask
+        (lp * coef).sum().backward()
+        out[packed] = (lp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    (lp_pad, g_pad), (lp_pack, g_pack) = out[False], out[True]
+    assert make_batch(prompts, responses, 0, packed=True).input_ids.shape == (1, 5 + 40 + 9 + 3 + 2 + 17)
+    with torch.no_grad():
+        z = model(input_ids=make_batch(prompts, responses, 0).input_ids).logits.abs().max().item() / 0.7
+    assert_close(lp_pack, lp_pad, dtype, z, 32, "log-probs", computations=2)
+    scale = max(v.abs().max().item() for v in g_pad.values())
+    for name in g_pad:
+        assert_close(g_pack[name], g_pad[name], dtype, scale, 300, f"grad {name}", computations=2)
+
+
+def test_packed_training_equals_padded_training(tmp_path, base_manifest, pool):
+    """Two GRPO+TIS updates (float64) with packed micro-batches under a token budget and
+    with padded ones: the same metrics and weights within rounding."""
+    runs = []
+    for i, packing in enumerate(["off", "on"]):
+        cfg = load_config("smoke", ["train.method=grpo_tis", "train.updates=2", "train.dtype=float64",
+                                    "train.micro_batch_tokens=600", f"train.packing={packing}"])
+        m = train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=Store(tmp_path / str(i)))
+        runs.append((pl.read_parquet(m.path("metrics")), load_file(m.path("weights"))))
+    assert_same_training(*runs[0], *runs[1], lr=cfg.train.lr)
+    assert dag_key_of(cfg, "train.packing=off") == dag_key_of(cfg, "train.packing=on")    # placement, not content
+
+
+def dag_key_of(cfg, override: str) -> str:
+    from pipeline import dag
+    return dag.expected_key("train", cfg.updated(dict([override.split("=")])))
+
+
+def test_the_reference_cache_changes_nothing_and_saves_forwards(tmp_path, base_manifest, pool):
+    """GGPO with a refresh every 3 updates over a pool it revisits (36 groups, 8 per update,
+    10 updates): cached and uncached reference log-probs give byte-identical weights and
+    metrics on CPU; the cache computed each group once per reference window."""
+    runs = []
+    for i, cached in enumerate(["true", "false"]):
+        cfg = load_config("smoke", ["train.method=ggpo", "train.updates=10", "train.t_ref=3",
+                                    f"train.reference_cache={cached}"])
+        m = train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=Store(tmp_path / str(i)))
+        runs.append(m)
+    cached, uncached = runs
+    assert cached.files["weights"].sha256 == uncached.files["weights"].sha256
+    assert pl.read_parquet(cached.path("metrics")).drop("seconds").equals(
+        pl.read_parquet(uncached.path("metrics")).drop("seconds"))
+    assert uncached.summary["reference_forwards"] == 80 and uncached.summary["reference_cache_hits"] == 0
+    assert cached.summary["reference_cache_hits"] > 0
+    assert cached.summary["reference_forwards"] + cached.summary["reference_cache_hits"] == 80
+
+
+def test_an_update_reads_the_device_once(base_manifest, pool, monkeypatch):
+    """Loss, metrics and diagnostics stay tensors until the update ends: the project's code
+    converts a tensor to host values once per update (to_host's tolist), whatever the
+    micro-batches. (transformers' sdpa mask builder reads a padded batch's attention mask;
+    packed batches have none.)"""
+    import sys
+    from stages.train.loop import new_state, run_update
+    from stages.train.pool import load_pool
+    from stages.base import model_path
+    cfg = load_config("smoke", ["train.method=grpo_tis", "train.micro_batch_groups=3"])
+    rt = make_runtime(cfg.train)
+    st = new_state(cfg, model_path(base_manifest), model_path(base_manifest), rt)
+    p = load_pool(pool[2].path("train_pool"), 8)
+    groups = list(range(8))
+    lp_old = loop.step_anchor(st.model, p, groups, cfg, 0, rt)
+    calls = []
+
+    def ours() -> bool:      # called from the project's own code (pipeline/, stages/)?
+        caller = sys._getframe(2).f_code.co_filename
+        return "/site-packages/" not in caller and ("/pipeline/" in caller or "/stages/" in caller)
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k:
+                            (calls.append(_n) if ours() else None, _o(self, *a, **k))[1])
+    row = run_update(st.model, st.reference, p, groups, cfg, 0, lp_old, rt)
+    monkeypatch.undo()
+    assert calls == ["tolist"], calls
+    assert math.isfinite(row["loss"]) and len(row["seq_log_ratio"]) == 64

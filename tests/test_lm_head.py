@@ -56,20 +56,18 @@ def _grads(model) -> dict[str, torch.Tensor]:
 def _reference(model, batch, coef, tau):
     """Full [B, L, V] logits, log_softmax in (at least) fp32, gather: (lp [N], entropy [N], grads)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    sel = batch.mask > 0
-    rows = torch.arange(logits.shape[0])[:, None].expand_as(batch.gather_cols)[sel]
-    picked = logits[rows, batch.gather_cols[sel]]
+    picked = logits[batch.sel_rows, batch.sel_cols]
     logp = torch.log_softmax(picked.to(torch.promote_types(picked.dtype, torch.float32)) / tau, -1)  # [N, V]
-    lp = logp.gather(1, batch.targets[sel][:, None]).squeeze(1)
+    lp = logp.gather(1, batch.targets_flat[:, None]).squeeze(1)
     ent = -(logp.exp() * logp).sum(-1)
     (lp * coef).sum().backward()
     return lp.detach(), ent.detach(), _grads(model)
 
 
 def _chunked(model, batch, coef, tau, chunk):
-    h = hidden_for_targets(model, batch.input_ids, batch.attention_mask, batch.gather_cols, batch.mask)
+    h = hidden_for_targets(model, batch.input_ids, batch.attention_mask, batch.sel_rows, batch.sel_cols)
     w, b = lm_head_weight(model)
-    lp, ent = chunked_logprobs(h, w, batch.targets[batch.mask > 0], tau, chunk, with_entropy=True, bias=b)
+    lp, ent = chunked_logprobs(h, w, batch.targets_flat, tau, chunk, with_entropy=True, bias=b)
     assert lp.dtype == ent.dtype == h.dtype and lp.requires_grad and not ent.requires_grad
     (lp * coef).sum().backward()
     return lp.detach(), ent, _grads(model)

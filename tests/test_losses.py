@@ -130,7 +130,7 @@ def test_diagnostics_golden():
     assert stats["k3_mismatch"] == pytest.approx(0.021389, abs=1e-5)
     assert stats["abs_log_ratio"] == pytest.approx(0.12, abs=1e-5)
     assert stats["seq_log_ratio"] == pytest.approx([-0.05, 0.47, 0.17, -0.05], abs=1e-5)
-    assert normalized_ess(torch.tensor(stats["seq_log_ratio"])) == pytest.approx(0.951367, abs=1e-5)
+    assert normalized_ess(stats["seq_log_ratio"]) == pytest.approx(0.951367, abs=1e-5)
     assert stats["ell_sum"] / 4 == pytest.approx(0.05, abs=1e-5)
     assert stats["success_ess_sum"] / stats["success_ess_count"] == pytest.approx(0.997510, abs=1e-5)
 
@@ -139,13 +139,13 @@ def test_entropy_golden():
     from types import SimpleNamespace
     from stages.train.policy import make_batch, token_logprobs
     probs = torch.tensor([0.7, 0.2, 0.1])
-    model = lambda input_ids, attention_mask: SimpleNamespace(logits=probs.log().expand(1, input_ids.shape[1], 3))
+    model = lambda input_ids, **_: SimpleNamespace(logits=probs.log().expand(1, input_ids.shape[1], 3))
     _, entropy = token_logprobs(model, make_batch([[0]], [[1]], 2), with_entropy=True, impl="full")
     assert entropy.item() == pytest.approx(0.801819, abs=1e-5)
     # the chunked LM head: hidden state 1, head weight log p, so the logits are log p again
     head = torch.nn.Linear(1, 3, bias=False)
     head.weight.data = probs.log()[:, None]
-    body = lambda input_ids, attention_mask, use_cache: SimpleNamespace(last_hidden_state=torch.ones(1, input_ids.shape[1], 1))
+    body = lambda input_ids, **_: SimpleNamespace(last_hidden_state=torch.ones(1, input_ids.shape[1], 1))
     chunked = SimpleNamespace(model=body, get_output_embeddings=lambda: head)
     _, entropy = token_logprobs(chunked, make_batch([[0]], [[1]], 2), with_entropy=True, impl="chunked")
     assert entropy.item() == pytest.approx(0.801819, abs=1e-5)

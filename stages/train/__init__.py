@@ -41,9 +41,11 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     tokenizer = load_tokenizer(base_path)
     pool = load_pool(inputs["pool"].path("train_pool"), cfg.rollout.group_size, cfg.train.needs_behavior_logprobs())
     if distributed.wanted(cfg.train):     # torchrun, FSDP2 ranks running the same loop
-        rows = torchrun.launch(cfg, base_path, inputs["pool"].path("train_pool"), folder)
+        rows, reference = torchrun.launch(cfg, base_path, inputs["pool"].path("train_pool"), folder), {}
     else:
-        rows = train(cfg, pool, base_path, tokenizer, folder)
+        st = train(cfg, pool, base_path, tokenizer, folder)
+        rows, reference = st.rows, {"reference_forwards": st.ref_cache.computed,
+                                    "reference_cache_hits": st.ref_cache.served}
     n = write_parquet({k: [r.get(k) for r in rows] for k in TRAIN_METRICS.names}, TRAIN_METRICS, folder / "metrics.parquet")
     tc = cfg.train
     snapshots = snapshot_files(tc.snapshot_updates())
@@ -54,7 +56,8 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
                  "updates": tc.updates, "pool_groups": len(pool.group_ids),
                  "group_order_sha256": order_hash(tc.updates, tc.groups_per_update, pool.group_ids, cfg.seed),
                  "final_reward": rows[-1]["reward"], "final_loss": rows[-1]["loss"],
-                 "tokens_per_second": sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9)})
+                 "tokens_per_second": sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9),
+                 **reference})
 
 
 SPEC = StageSpec(name="train", version=2, reads=("seed", "train", "rollout"), build=build,

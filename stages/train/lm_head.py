@@ -32,11 +32,11 @@ grad W is accumulated over chunks in at least fp32.
 
 Usage (what `policy.token_logprobs` does with it):
 
-    sel = batch.mask > 0
-    h = hidden_for_targets(model, batch.input_ids, batch.attention_mask, batch.gather_cols, batch.mask)
+    h = hidden_for_targets(model, batch.input_ids, batch.attention_mask, batch.sel_rows, batch.sel_cols,
+                           batch.position_ids)
     w, b = lm_head_weight(model)
-    lp_flat, ent_flat = chunked_logprobs(h, w, batch.targets[sel], tau, with_entropy=True, bias=b)
-    lp = torch.zeros(batch.mask.shape, dtype=torch.float32, device=h.device).masked_scatter(sel, lp_flat)
+    lp_flat, ent_flat = chunked_logprobs(h, w, batch.targets_flat, tau, with_entropy=True, bias=b)
+    lp = scatter_rows(lp_flat, batch)      # [B, T]
 
 Tied embeddings need nothing special: W is the shared Parameter itself, so its gradient
 from the head and from the embedding lookup add up in the autograd graph.
@@ -146,7 +146,7 @@ def _chunk_grad_logits(z: Tensor, lse_c: Tensor, y_c: Tensor, g_c: Tensor, tau: 
     return gz
 
 
-def _validate(hidden, weight, targets, temperature, chunk_tokens, bias) -> None:
+def _validate(hidden, weight, targets, temperature, chunk_tokens, bias, check_ids: bool) -> None:
     where = "stages/train/lm_head.py chunked_logprobs"
     if hidden.dim() != 2 or weight.dim() != 2 or targets.dim() != 1:
         raise ValueError(f"{where}: expected hidden [N, H], weight [V, H], targets [N]; got "
@@ -170,22 +170,23 @@ def _validate(hidden, weight, targets, temperature, chunk_tokens, bias) -> None:
     if len({hidden.device, weight.device, targets.device}) != 1:
         raise ValueError(f"{where}: hidden, weight, targets on different devices "
                          f"({hidden.device}, {weight.device}, {targets.device})")
-    # One host sync; an out-of-range id would otherwise be a CUDA device-side assert.
-    if targets.numel() and not bool(((targets >= 0) & (targets < weight.shape[0])).all()):
+    # One host sync, so optional: an out-of-range id would otherwise be a CUDA device-side
+    # assert. The trainer checks its pool's ids once instead (loop.check_token_ids).
+    if check_ids and targets.numel() and not bool(((targets >= 0) & (targets < weight.shape[0])).all()):
         raise ValueError(f"{where}: target ids must lie in [0, {weight.shape[0]}), got "
                          f"min {int(targets.min())}, max {int(targets.max())}")
 
 
 def chunked_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
-                     chunk_tokens: int = 1024, with_entropy: bool = False, bias: Tensor | None = None
-                     ) -> tuple[Tensor, Tensor | None]:
+                     chunk_tokens: int = 1024, with_entropy: bool = False, bias: Tensor | None = None,
+                     check_ids: bool = True) -> tuple[Tensor, Tensor | None]:
     """hidden [N, H] (any float dtype, may require grad), weight [V, H] (the LM head / tied embedding
     weight, may require grad), targets [N] long -> (lp [N] float32 with grad, entropy [N] float32 detached or None).
     lp_i = log softmax(hidden_i @ weight.T / temperature)[targets_i], computed per chunk of `chunk_tokens`
     rows in float32 (logits upcast to fp32 before /temperature and logsumexp). Entropy carries no
     gradient. fp64 inputs (tests) give fp64 outputs. Raises ValueError on bad shapes, dtypes, devices,
-    ids, chunk_tokens < 1 or temperature <= 0."""
-    _validate(hidden, weight, targets, temperature, chunk_tokens, bias)
+    ids (check_ids: one host sync), chunk_tokens < 1 or temperature <= 0."""
+    _validate(hidden, weight, targets, temperature, chunk_tokens, bias, check_ids)
     lp, ent = _ChunkedLogProbFn.apply(hidden, weight, bias, targets, float(temperature),
                                       chunk_tokens, with_entropy)
     return lp, (ent if with_entropy else None)
@@ -211,15 +212,17 @@ def _decoder(model):
     return body
 
 
-def hidden_for_targets(model, input_ids: Tensor, attention_mask: Tensor, gather_cols: Tensor,
-                       mask: Tensor) -> Tensor:
-    """hidden [N, H]: the final-norm hidden state at column gather_cols[b, t] of row b for every
-    (b, t) with mask[b, t] > 0, in row-major (b, t) order (same order as `targets[mask > 0]`)."""
-    if gather_cols.shape != mask.shape or gather_cols.shape[0] != input_ids.shape[0]:
-        raise ValueError(f"stages/train/lm_head.py hidden_for_targets: gather_cols {tuple(gather_cols.shape)}, "
-                         f"mask {tuple(mask.shape)} and input_ids {tuple(input_ids.shape)} disagree on [B, T]")
-    out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+def hidden_for_targets(model, input_ids: Tensor, attention_mask: Tensor | None, rows: Tensor, cols: Tensor,
+                       position_ids: Tensor | None = None) -> Tensor:
+    """hidden [N, H]: the final-norm hidden state at (rows[k], cols[k]) for every response
+    token k, in the order of `rows` / `cols` (policy.make_batch builds them on the host, so
+    selecting costs no device-to-host read). Padded rows pass `attention_mask`; packed rows
+    pass `position_ids` restarting per row and no mask. No cache: with one, transformers
+    would not isolate packed rows."""
+    if rows.shape != cols.shape or rows.dim() != 1:
+        raise ValueError(f"stages/train/lm_head.py hidden_for_targets: rows {tuple(rows.shape)} and cols "
+                         f"{tuple(cols.shape)} must be the same [N]")
+    out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)
     states = out.last_hidden_state                                     # [B, L, H]
-    sel = mask.to(states.device) > 0
-    rows = torch.arange(states.shape[0], device=states.device)[:, None].expand_as(sel)[sel]
-    return states[rows, gather_cols.to(states.device)[sel]]
+    return states[rows.to(states.device), cols.to(states.device)]

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import polars as pl
 import torch
 
 from pipeline import interrupt
@@ -33,94 +32,13 @@ from stages.train import checkpoint, distributed
 from stages.train.diagnostics import micro_batch_stats, normalized_ess
 from stages.train.losses import LossInputs, get_loss
 from stages.train.order import groups_for_update
-from stages.train.packing import group_width, pack_groups, split_by_count
-from stages.train.policy import Batch, make_batch, token_logprobs
+from stages.train.policy import Batch, token_logprobs
+from stages.train.pool import (LP_BEH_FLOOR, Pool, batch, check_token_ids, load_pool,  # noqa: F401 - loop's API too
+                               micro_batches, padded_rows, stack_groups)
+from stages.train.reference import ReferenceCache
 
 
 log = logging.getLogger("ggpo")
-
-
-@dataclass
-class Pool:
-    """The training pool grouped: index j holds the j-th kept group, samples 0..m-1."""
-    group_ids: list[int]
-    prompt_ids: list[list[int]]
-    responses: list[list[list[int]]]     # [n_groups][m][len]
-    lp_beh: list[list[list[float]]]      # [n_groups][m][len]
-    rewards: torch.Tensor                # [n_groups, m] float64
-    group_size: int
-
-
-def load_pool(path: Path, group_size: int, need_behavior: bool = True) -> Pool:
-    df = pl.read_parquet(path).sort(["group", "sample"])
-    if df.height == 0:
-        raise TrainingError(f"{path}: the training pool is empty (no mixed-reward groups)")
-    missing = df.filter(pl.col("behavior_logprobs").is_null())
-    if missing.height and need_behavior:
-        raise TrainingError(f"{path}: row (group {missing['group'][0]}, sample {missing['sample'][0]}) has no "
-                            "behavior_logprobs, which this method needs (GRPO's behavior anchor, GRPO+TIS)")
-    if missing.height:   # AGRO / GGPO never read lp_beh; mismatch diagnostics become meaningless
-        df = df.with_columns(pl.when(pl.col("behavior_logprobs").is_null())
-                             .then(pl.col("response_token_ids").list.eval(pl.element() * 0.0))
-                             .otherwise(pl.col("behavior_logprobs")).alias("behavior_logprobs"))
-    df = _guard_behavior_logprobs(df, path)
-    bad = df.filter(pl.col("behavior_logprobs").list.len() != pl.col("response_token_ids").list.len())
-    if bad.height:
-        raise TrainingError(f"{path}: row (group {bad['group'][0]}, sample {bad['sample'][0]}) has "
-                            "behavior_logprobs of a different length than its response")
-    sizes = df.group_by("group").len().filter(pl.col("len") != group_size)
-    if sizes.height:
-        raise TrainingError(f"{path}: group {sizes['group'][0]} has {sizes['len'][0]} responses but "
-                            f"rollout.group_size is {group_size}")
-    m, n = group_size, df.height // group_size
-    resp, lpb, prm = df["response_token_ids"].to_list(), df["behavior_logprobs"].to_list(), df["prompt_token_ids"].to_list()
-    return Pool(
-        group_ids=df["group"].to_list()[::m], prompt_ids=prm[::m],
-        responses=[resp[j * m:(j + 1) * m] for j in range(n)],
-        lp_beh=[lpb[j * m:(j + 1) * m] for j in range(n)],
-        rewards=torch.tensor(df["reward"].to_list(), dtype=torch.float64).view(n, m), group_size=m)
-
-
-# A behavior log-prob of -inf (a token the engine gave zero probability, e.g. under
-# truncation) is held at this floor; the losses' ratio guard then caps its ratio at e^20.
-LP_BEH_FLOOR = -100.0
-
-
-def _guard_behavior_logprobs(df: pl.DataFrame, path: Path) -> pl.DataFrame:
-    """NaN or +inf behavior log-probs are an engine fault: a clear pool error naming the
-    row and token. -inf is clamped to LP_BEH_FLOOR (never a NaN update)."""
-    flagged = df.with_row_index("_row").explode("behavior_logprobs").with_columns(
-        pl.int_range(pl.len()).over("_row").alias("_token")).filter(
-        pl.col("behavior_logprobs").is_nan() | (pl.col("behavior_logprobs") == float("inf")))
-    if flagged.height:
-        r = flagged.row(0, named=True)
-        raise TrainingError(f"{path}: row (group {r['group']}, sample {r['sample']}) has behavior log-prob "
-                            f"{r['behavior_logprobs']} at response token {r['_token']} ({flagged.height} such "
-                            "tokens in the pool); the rollout engine produced it: rebuild the pool "
-                            "(`ggpo stage rollout --force`) or check the engine's logprobs mode")
-    return df.with_columns(pl.col("behavior_logprobs").list.eval(
-        pl.when(pl.element() == float("-inf")).then(LP_BEH_FLOOR).otherwise(pl.element())))
-
-
-def _pad(rows: list[list[float]], width: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    out = torch.zeros(len(rows), width, dtype=dtype)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = torch.tensor(r)
-    return out
-
-
-def _batch(pool: Pool, groups: list[int], pad_id: int):
-    m = pool.group_size
-    return make_batch([pool.prompt_ids[g] for g in groups for _ in range(m)],
-                      [r for g in groups for r in pool.responses[g]], pad_id)
-
-
-def micro_batches(pool: Pool, groups: list[int], tc: TrainConfig) -> list[list[int]]:
-    """An update's (or step's) groups split into micro-batches of whole groups."""
-    if tc.micro_batch_tokens is None:
-        return split_by_count(groups, tc.micro_batch_groups)
-    widths = {g: group_width(len(pool.prompt_ids[g]), [len(r) for r in pool.responses[g]]) for g in groups}
-    return pack_groups(groups, widths, pool.group_size, tc.micro_batch_tokens)
 
 
 def policy_logprobs(model, batch: Batch, rt: Runtime, temperature: float, with_entropy: bool = False,
@@ -133,95 +51,127 @@ def policy_logprobs(model, batch: Batch, rt: Runtime, temperature: float, with_e
     return lp.to(rt.device), entropy
 
 
+def group_rows(lp: torch.Tensor, pool: Pool, groups: list[int]) -> dict[int, torch.Tensor]:
+    """[G * m, T] log-probs of a micro-batch -> {group: [m, T_g]}, each cut to its longest response."""
+    m = pool.group_size
+    return {g: lp[j * m:(j + 1) * m, :max(len(r) for r in pool.responses[g])] for j, g in enumerate(groups)}
+
+
 @torch.no_grad()
 def step_anchor(model, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_id: int,
-                rt: Runtime) -> dict[int, list[list[float]]]:
-    """lp_old (spec 8.1): the trainer's log-probs of a step's groups at the step start."""
+                rt: Runtime) -> dict[int, torch.Tensor]:
+    """lp_old (spec 8.1): the trainer's log-probs of a step's groups at the step start,
+    {group: [m, T_g]} on the training device."""
     out = {}
-    for chunk, real in my_micro_batches(pool, sorted(set(groups)), cfg.train):
-        batch = _batch(pool, chunk, pad_id)
-        lp, _ = policy_logprobs(model, batch, rt, cfg.rollout.temperature)
-        if not real:
-            continue
-        rows = [row[:int(n)] for row, n in zip(lp.tolist(), batch.mask.sum(1).tolist())]
-        for j, g in enumerate(chunk):
-            out[g] = rows[j * pool.group_size:(j + 1) * pool.group_size]
+    for chunk, real in my_micro_batches(pool, sorted(set(groups)), cfg.train, rt.packed):
+        lp, _ = policy_logprobs(model, batch(pool, chunk, pad_id, rt.packed), rt, cfg.rollout.temperature)
+        if real:
+            out |= group_rows(lp, pool, chunk)
     d = distributed.current()     # each rank did its shard; every rank keeps the whole anchor
-    return out if d is None else {g: v for part in d.gather(out) for g, v in part.items()}
+    if d is None:
+        return out
+    parts = d.gather({g: t.cpu() for g, t in out.items()})
+    return {g: t.to(rt.device) for part in parts for g, t in part.items()}
 
 
-def my_micro_batches(pool: Pool, groups: list[int], tc: TrainConfig) -> list[tuple[list[int], bool]]:
+def my_micro_batches(pool: Pool, groups: list[int], tc: TrainConfig, packed: bool = False
+                     ) -> list[tuple[list[int], bool]]:
     """This process's micro-batches of `groups`, each flagged real. Under torchrun: this
     rank's contiguous shard of whole groups, padded with non-real micro-batches to the
     largest rank's count (FSDP needs the same forwards/backwards on every rank)."""
     d = distributed.current()
     if d is None:
-        return [(c, True) for c in micro_batches(pool, groups, tc)]
-    return d.lockstep([micro_batches(pool, s, tc) for s in d.shards(groups)])
+        return [(c, True) for c in micro_batches(pool, groups, tc, packed)]
+    return d.lockstep([micro_batches(pool, s, tc, packed) for s in d.shards(groups)])
 
 
-def micro_batch_loss(model, reference, pool: Pool, groups: list[int], tc: TrainConfig,
-                     temperature: float, pad_id: int, t_tot: int, n_seq: int,
-                     lp_old: dict[int, list[list[float]]] | None, rt: Runtime):
-    """Loss of some whole groups (already / T_tot), its metrics and entropy sum."""
+@dataclass
+class MicroBatch:
+    """One micro-batch's contribution, all on the device: the loss (already / T_tot), the
+    loss's metrics and the diagnostics (micro_batch_stats), and its entropy sum."""
+    loss: torch.Tensor
+    sums: dict[str, torch.Tensor]
+    seq_log_ratio: torch.Tensor
+    max_abs_log_ratio: torch.Tensor
+
+
+def micro_batch_loss(model, reference, pool: Pool, groups: list[int], tc: TrainConfig, temperature: float,
+                     pad_id: int, t_tot: int, n_seq: int, lp_old: dict[int, torch.Tensor] | None, rt: Runtime,
+                     ref_cache: ReferenceCache) -> MicroBatch:
+    """Loss, metrics and diagnostics of some whole groups; nothing leaves the device."""
     m = pool.group_size
-    batch = _batch(pool, groups, pad_id)
-    lp, entropy = policy_logprobs(model, batch, rt, temperature, with_entropy=True)
-    with torch.no_grad():
-        lp_ref, _ = policy_logprobs(reference, batch, rt, temperature, device=rt.reference_device)
-    shape = (len(groups), m, batch.mask.shape[1])
+    b = batch(pool, groups, pad_id, rt.packed)
+    lp, entropy = policy_logprobs(model, b, rt, temperature, with_entropy=True)
+    shape = (len(groups), m, b.mask.shape[1])
 
-    def padded(rows: list[list[float]]) -> torch.Tensor:
-        return _pad(rows, shape[2], lp.dtype).view(shape).to(rt.device)
-    inputs = LossInputs(lp=lp.view(shape), lp_beh=padded([x for g in groups for x in pool.lp_beh[g]]),
-                        lp_ref=lp_ref.view(shape), mask=batch.mask.view(shape).to(rt.device),
-                        rewards=pool.rewards[groups].float().to(rt.device),
+    def stacked(rows: list[torch.Tensor]) -> torch.Tensor:
+        return stack_groups(rows, shape[2], rt.device, lp.dtype)
+    lp_ref = ref_cache.get(reference, pool, groups, pad_id, rt, temperature, policy_logprobs)
+    inputs = LossInputs(lp=lp.view(shape), lp_beh=stacked([pool.behavior(g) for g in groups]),
+                        lp_ref=stacked(lp_ref), mask=b.mask.view(shape).to(rt.device),
+                        rewards=pool.rewards[groups].to(rt.device, torch.float32),
                         t_tot=float(t_tot), n_seq_tot=n_seq,
-                        lp_old=None if lp_old is None else padded([x for g in groups for x in lp_old[g]]))
+                        lp_old=None if lp_old is None else stacked([lp_old[g] for g in groups]))
     loss, metrics = get_loss(tc.method)(inputs, tc)
-    return loss, metrics, float(entropy.detach().sum()), micro_batch_stats(inputs, tc.beta)
+    stats = micro_batch_stats(inputs, tc.beta)
+    sums = metrics | {"loss": loss.detach(), "entropy": entropy.sum() / t_tot}
+    sums |= {k: v for k, v in stats.items() if k not in ("seq_log_ratio", "max_abs_log_ratio")}
+    return MicroBatch(loss, sums, stats["seq_log_ratio"], stats["max_abs_log_ratio"])
 
 
 def run_update(model, reference, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_id: int,
-               lp_old: dict[int, list[list[float]]] | None = None, runtime: Runtime | None = None) -> dict:
-    """Forward/backward of one optimizer update (no step); returns its metrics row
-    (plus `seq_log_ratio`, the responses' s_i, for the block ESS)."""
+               lp_old: dict[int, torch.Tensor] | None = None, runtime: Runtime | None = None,
+               ref_cache: ReferenceCache | None = None) -> dict:
+    """Forward/backward of one optimizer update (no step); returns its metrics row (plus
+    `seq_log_ratio`, the responses' s_i, for the block ESS). Everything stays on the device
+    until the update's end, then one transfer brings it to the host (`to_host`)."""
     tc, m = cfg.train, pool.group_size
     t_tot = sum(len(r) for g in groups for r in pool.responses[g])
-    row: dict = {"loss": 0.0, "entropy": 0.0, "seq_log_ratio": []}
-    sums = {"k3_mismatch": 0.0, "abs_log_ratio": 0.0, "ell_sum": 0.0, "ggpo_raw_sum": 0.0,
-            "success_ess_sum": 0.0, "success_ess_count": 0}
     rt = runtime or make_runtime(tc)
-    for chunk, real in my_micro_batches(pool, groups, tc):
+    ref_cache = ref_cache if ref_cache is not None else ReferenceCache(enabled=False)
+    parts: list[MicroBatch] = []
+    for chunk, real in my_micro_batches(pool, groups, tc, rt.packed):
         if interrupt.requested() and distributed.current() is None:   # ranks stop together or not at all
             raise interrupt.Interrupted("mid-update")     # the update is dropped; the caller checkpoints
-        loss, metrics, ent, stats = micro_batch_loss(model, reference, pool, chunk, tc, cfg.rollout.temperature,
-                                                     pad_id, t_tot, len(groups) * m, lp_old, rt)
+        out = micro_batch_loss(model, reference, pool, chunk, tc, cfg.rollout.temperature, pad_id, t_tot,
+                               len(groups) * m, lp_old, rt, ref_cache)
         if not real:             # a rank's padding pass: collectives only, no contribution
-            (loss * 0.0).backward()
+            (out.loss * 0.0).backward()
             continue
-        loss.backward()
-        row["loss"] += loss.item()
-        row["entropy"] += ent / t_tot
-        for k, v in metrics.items():          # additive by the loss contract
-            row[k] = row.get(k, 0.0) + v
-        row["seq_log_ratio"] += stats.pop("seq_log_ratio")
-        row["max_abs_log_ratio"] = max(row.get("max_abs_log_ratio", 0.0), stats.pop("max_abs_log_ratio"))
-        for k in sums:
-            sums[k] += stats[k]
+        out.loss.backward()
+        parts.append(out)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
+    if hasattr(grad_norm, "full_tensor"):    # FSDP: a DTensor, already reduced over the mesh
+        grad_norm = grad_norm.full_tensor()
+    row, grad_norm = to_host(parts, grad_norm)
     d = distributed.current()
     if d is not None:            # global sums over the ranks' shards (T_tot is global already)
-        parts = d.gather((row, sums))
-        row, sums = distributed.combine([p[0] for p in parts]), distributed.combine([p[1] for p in parts])
+        row = distributed.combine(d.gather(row))
     n_seq = len(groups) * m
-    row |= {"k3_mismatch": sums["k3_mismatch"], "abs_log_ratio": sums["abs_log_ratio"],
-            "mean_ell": sums["ell_sum"] / n_seq, "ggpo_raw_loss": sums["ggpo_raw_sum"] / len(groups),
-            "success_ess": sums["success_ess_sum"] / sums["success_ess_count"] if sums["success_ess_count"] else None}
-    row["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip))
-    row["reward"] = float(pool.rewards[groups].mean())
-    row["response_length"] = t_tot / n_seq
-    row["tokens"] = t_tot
+    count = row.pop("success_ess_count", 0)
+    row |= {"mean_ell": row.pop("ell_sum", 0.0) / n_seq, "ggpo_raw_loss": row.pop("ggpo_raw_sum", 0.0) / len(groups),
+            "success_ess": row.pop("success_ess_sum", 0.0) / count if count else None, "grad_norm": grad_norm,
+            "reward": sum(pool.reward_means[g] for g in groups) / len(groups), "response_length": t_tot / n_seq,
+            "tokens": t_tot}
     return row
+
+
+def to_host(parts: list[MicroBatch], grad_norm: torch.Tensor) -> tuple[dict, float]:
+    """The one device-to-host transfer of an update: every summed metric, the largest
+    |log rho|, the grad norm and the sequence log ratios, in one tensor, read once."""
+    names = sorted({k for p in parts for k in p.sums})
+    scalars = [torch.stack([p.sums[k].to(torch.float64) for p in parts if k in p.sums]).sum() for k in names]
+    peak = torch.stack([p.max_abs_log_ratio.to(torch.float64) for p in parts]).max() if parts else None
+    head = torch.stack(scalars + ([peak] if parts else []) + [grad_norm.to(torch.float64).to(scalars[0].device)
+                                                             if scalars else grad_norm.to(torch.float64)])
+    seq = [p.seq_log_ratio.to(device=head.device, dtype=torch.float64) for p in parts]
+    values = torch.cat([head] + seq).tolist()
+    row = dict(zip(names, values))
+    k = len(names)
+    if parts:
+        row["max_abs_log_ratio"], k = values[k], k + 1
+    row["seq_log_ratio"] = values[k + 1:]
+    return row, values[k]
 
 
 def snapshot_dir(folder: Path, update: int) -> Path:
@@ -251,7 +201,8 @@ def save_policy(model, tokenizer, final: Path) -> None:
 class TrainState:
     """Everything an update needs and a checkpoint keeps: policy, reference, optimizer, the
     number of updates done, metrics rows, the current step's anchor log-probs (lp_old) and
-    the sequence log ratios of the unfinished ESS block."""
+    the sequence log ratios of the unfinished ESS block; and, not checkpointed, the
+    reference log-probs of the current reference window (reference.py)."""
     model: torch.nn.Module
     reference: torch.nn.Module
     opt: torch.optim.Optimizer
@@ -259,6 +210,7 @@ class TrainState:
     rows: list[dict] = field(default_factory=list)
     lp_old: dict | None = None
     block_s: list[float] = field(default_factory=list)
+    ref_cache: ReferenceCache = field(default_factory=ReferenceCache)
 
 
 def new_state(cfg: PipelineConfig, policy_path: str, reference_path: str, rt: Runtime) -> TrainState:
@@ -278,9 +230,16 @@ def resume(st: TrainState, state: dict | None, where: Path) -> TrainState:
     if state is None:
         return st
     st.update, st.rows = checkpoint.restore(state, model=st.model, optimizer=st.opt, reference=st.reference)
-    st.lp_old, st.block_s = state.get("lp_old"), state.get("block_s", [])
+    st.lp_old, st.block_s = anchor_tensors(state.get("lp_old")), state.get("block_s", [])
     log.info("train: resuming after update %d from %s", st.update, where)
     return st
+
+
+def anchor_tensors(lp_old: dict | None) -> dict[int, torch.Tensor] | None:
+    """A checkpoint's lp_old as {group: [m, T_g] tensor} (older checkpoints hold lists)."""
+    if lp_old is None:
+        return None
+    return {g: v if isinstance(v, torch.Tensor) else padded_rows(v) for g, v in lp_old.items()}
 
 
 def reference_refreshed(tc: TrainConfig, update: int) -> bool:
@@ -310,7 +269,8 @@ def one_update(st: TrainState, pool: Pool, groups: list[int], cfg: PipelineConfi
     never applied), optimizer step, reference refresh, ESS block; returns its metrics row."""
     tc, u, t0 = cfg.train, st.update, time.perf_counter()
     needs_anchor, t_ref = tc.needs_step_anchor(), tc.refresh_every()
-    row = run_update(st.model, st.reference, pool, groups, cfg, pad_id, st.lp_old if needs_anchor else None, rt)
+    row = run_update(st.model, st.reference, pool, groups, cfg, pad_id, st.lp_old if needs_anchor else None, rt,
+                     st.ref_cache)
     if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
         raise TrainingError(f"update {u + 1} (method {tc.method}): non-finite loss {row['loss']} or grad norm "
                             f"{row['grad_norm']}; the last good checkpoint is kept in {ckpt_dir}")
@@ -319,6 +279,7 @@ def one_update(st: TrainState, pool: Pool, groups: list[int], cfg: PipelineConfi
     refresh = t_ref is not None and (u + 1) % t_ref == 0   # spec 7: refresh after update u
     if refresh:
         st.reference.load_state_dict(distributed.policy_state(st.model))
+        st.ref_cache.clear()         # a new reference: its log-probs are new
     st.block_s += row.pop("seq_log_ratio")
     ess = None
     if (u + 1) % tc.diagnostics_block == 0 or u + 1 == tc.updates:
@@ -337,6 +298,8 @@ def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, fold
     (unless not last_checkpoint: the caller saves the end state itself)."""
     tc, pad_id, ckpt_dir = cfg.train, tokenizer.pad_token_id, folder / "checkpoints"
     snapshots = set(tc.snapshot_updates())
+    check_token_ids(pool, st.model.config.vocab_size)
+    st.ref_cache = ReferenceCache(enabled=tc.reference_cache)    # a pool's groups: a cache of their own
     st.model.train()
     with Progress(desc, total=stop, unit="update", start=st.update) as bar:
         while st.update < stop:
@@ -362,9 +325,9 @@ def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, fold
     return st
 
 
-def train(cfg: PipelineConfig, pool: Pool, base_path: str, tokenizer, folder: Path) -> list[dict]:
+def train(cfg: PipelineConfig, pool: Pool, base_path: str, tokenizer, folder: Path) -> TrainState:
     """Runs (or resumes) the offline updates, saves the final policy in `folder/model`,
-    returns the metrics rows."""
+    returns the final state (metrics rows in .rows)."""
     tc, rt, n_groups = cfg.train, make_runtime(cfg.train), len(pool.group_ids)
     ckpt_dir = folder / "checkpoints"
     st = resume(new_state(cfg, base_path, base_path, rt), checkpoint.load(ckpt_dir), ckpt_dir)
@@ -372,4 +335,4 @@ def train(cfg: PipelineConfig, pool: Pool, base_path: str, tokenizer, folder: Pa
                 lambda u: groups_for_update(u, tc.groups_per_update, n_groups, cfg.seed),
                 lambda u: _step_groups(u, tc, n_groups, cfg.seed), rt, f"train {tc.method} seed {cfg.seed}")
     save_policy(st.model, tokenizer, folder / "model")
-    return st.rows
+    return st

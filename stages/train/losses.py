@@ -4,7 +4,8 @@ Math: ../shared/spec/algorithms.md. Tensors are [G, m, T]: G groups of m respons
 prompt, T padded response tokens. Aggregation is token-mean over the whole optimizer
 update (spec section 1): `sum(mask * loss_tok) / T_tot`, with T_tot the update's global
 token count, so micro-batches sum to the update's loss exactly. Every metric a loss
-returns is additive over micro-batches for the same reason (diagnostics.py has the rest).
+returns is a detached 0-dim tensor on the loss's device, additive over micro-batches for
+the same reason (diagnostics.py has the rest): the trainer reads them once per update.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def ppo_clipped_pg(adv: Tensor, log_ratio: Tensor, cfg: TrainConfig) -> tuple[Te
     return pg, (pg2 > pg1)
 
 
-def grpo_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, float]]:
+def grpo_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO (spec section 2): PPO-clipped surrogate on group-standardized advantages,
     ratio against the anchor (behavior log-probs by default, spec 13 item 4), plus
     beta * K3 to the reference, differentiated pathwise."""
@@ -89,14 +90,14 @@ def grpo_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, floa
     loss = aggregate(pg + cfg.beta * k3, inp, cfg.aggregation)
     with torch.no_grad():
         metrics = {
-            "pg_loss": float(aggregate(pg, inp, cfg.aggregation)),
-            "kl_ref_k3": float((k3 * inp.mask).sum() / inp.t_tot),
-            "clip_frac": float((clipped.float() * inp.mask).sum() / inp.t_tot),
+            "pg_loss": aggregate(pg, inp, cfg.aggregation),
+            "kl_ref_k3": (k3 * inp.mask).sum() / inp.t_tot,
+            "clip_frac": (clipped.to(inp.mask.dtype) * inp.mask).sum() / inp.t_tot,
         }
     return loss, metrics
 
 
-def grpo_tis_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, float]]:
+def grpo_tis_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO + truncated importance sampling (spec section 3): PPO ratio against lp_old,
     each token's PG term times w = min(exp(lp_old - lp_beh), C), detached and one-sided;
     the K3 term is not reweighted."""
@@ -110,10 +111,10 @@ def grpo_tis_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, 
     loss = aggregate(w * pg + cfg.beta * k3, inp, cfg.aggregation)
     with torch.no_grad():
         metrics = {
-            "pg_loss": float(aggregate(w * pg, inp, cfg.aggregation)),
-            "kl_ref_k3": float((k3 * inp.mask).sum() / inp.t_tot),
-            "clip_frac": float((clipped.float() * inp.mask).sum() / inp.t_tot),
-            "trunc_frac": float(((log_w > math.log(cfg.tis_cap)).float() * inp.mask).sum() / inp.t_tot),
+            "pg_loss": aggregate(w * pg, inp, cfg.aggregation),
+            "kl_ref_k3": (k3 * inp.mask).sum() / inp.t_tot,
+            "clip_frac": (clipped.to(inp.mask.dtype) * inp.mask).sum() / inp.t_tot,
+            "trunc_frac": ((log_w > math.log(cfg.tis_cap)).to(inp.mask.dtype) * inp.mask).sum() / inp.t_tot,
         }
     return loss, metrics
 
@@ -131,13 +132,13 @@ def agro_coefficients(rt: Tensor) -> Tensor:
     return (m / (m - 1)) * (rt - rt.mean(dim=1, keepdim=True))
 
 
-def agro_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, float]]:
+def agro_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """AGRO (spec section 4): loss_tok = -sg(a) lp, a the LOO advantage of the KL-adjusted
     reward computed with the current learner; token-mean. No importance weights."""
     ell, rt = kl_adjusted_rewards(inp, cfg.beta)
     a = agro_coefficients(rt.detach())
     loss = ((-a[..., None] * inp.lp) * inp.mask).sum() / inp.t_tot
-    return loss, {"pg_loss": loss.item()}
+    return loss, {"pg_loss": loss.detach()}
 
 
 def ggpo_group_loss(rt: Tensor, beta: float) -> Tensor:
@@ -153,7 +154,7 @@ def ggpo_coefficients(rt: Tensor, beta: float) -> tuple[Tensor, Tensor]:
     return w, (m * w - 1.0) / math.sqrt(m - 1)
 
 
-def ggpo_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, float]]:
+def ggpo_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """GGPO (spec 5.4): L = (s / T_tot) sum_g L_g with s = m / (beta sqrt(m-1)), by
     autograd through ell (lp_ref detached). With `ggpo_clip_delta` set, the detached-
     coefficient variant of spec 5.5 against the step anchor lp_old instead. No lp_beh."""
@@ -164,10 +165,10 @@ def ggpo_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, floa
     raw = ggpo_group_loss(rt, cfg.beta)
     scale = m / (cfg.beta * math.sqrt(m - 1))
     loss = scale * raw.sum() / inp.t_tot
-    return loss, {"pg_loss": loss.item()}
+    return loss, {"pg_loss": loss.detach()}
 
 
-def ggpo_clipped_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, float]]:
+def ggpo_clipped_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """Spec 5.5: o = min(c_hat D, c_hat clamp(D, -delta, delta)), D = lp - lp_old, c_hat
     detached; loss_tok = -o; token-mean. Equals the original update's gradient at D = 0."""
     if inp.lp_old is None:
@@ -181,11 +182,11 @@ def ggpo_clipped_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[s
     loss = ((-o) * inp.mask).sum() / inp.t_tot
     with torch.no_grad():
         clipped = ((c > 0) & (d > delta)) | ((c < 0) & (d < -delta))
-        metrics = {"pg_loss": loss.item(), "clip_frac": float((clipped.float() * inp.mask).sum() / inp.t_tot)}
+        metrics = {"pg_loss": loss.detach(), "clip_frac": (clipped.to(inp.mask.dtype) * inp.mask).sum() / inp.t_tot}
     return loss, metrics
 
 
-LossFn = Callable[[LossInputs, TrainConfig], tuple[Tensor, dict[str, float]]]
+LossFn = Callable[[LossInputs, TrainConfig], tuple[Tensor, dict[str, Tensor]]]
 LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "grpo_tis": grpo_tis_loss, "agro": agro_loss, "ggpo": ggpo_loss}
 
 

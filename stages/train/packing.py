@@ -7,6 +7,10 @@ micro-batch is closed when the next group would push rows x width over the budge
 little padding is spent and peak memory follows the budget, not the longest responses.
 A group that alone exceeds the budget gets a micro-batch of its own (it cannot be split).
 
+Packed micro-batches (train.packing, policy.make_batch) hold no padding: their cost is
+their tokens, so `pack_tokens` closes a micro-batch when the next group's tokens would pass
+the budget.
+
 The loss is token-mean over the whole update with the global T_tot (losses.py), so how
 an update is split never changes its value, only the floating-point summation order.
 """
@@ -36,6 +40,25 @@ def pack_groups(groups: list[int], widths: dict[int, int], rows_per_group: int,
             current, new_width = [], widths[g]
         current.append(g)
         width = new_width
+    if current:
+        batches.append(current)
+    return batches
+
+
+def pack_tokens(groups: list[int], tokens: dict[int, int], budget: int) -> list[list[int]]:
+    """groups (update order) -> micro-batches of whole groups, longest first, each with at
+    most `budget` tokens (prompt + response, no padding) unless one group alone has more."""
+    if budget < 1:
+        raise ValueError(f"train.micro_batch_tokens must be >= 1, got {budget}")
+    batches: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for g in sorted(groups, key=lambda g: (-tokens[g], groups.index(g))):
+        if current and used + tokens[g] > budget:
+            batches.append(current)
+            current, used = [], 0
+        current.append(g)
+        used += tokens[g]
     if current:
         batches.append(current)
     return batches

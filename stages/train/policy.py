@@ -1,20 +1,30 @@
 """Teacher-forced token log-probs and entropy of sampled responses under a causal LM.
 
-Rows are `prompt + response`, right-padded, positions 0..L-1 (a right pad never
-influences earlier tokens under causal attention). For response token t of row b the
-predicting logit sits at column len(prompt_b) - 1 + t. Log-probs use softmax(logits / tau),
-the rollout engine's convention (spec section 1).
+A batch holds B rows `prompt + response` in one of two layouts (`make_batch`):
+- padded: [B, L] right-padded with an attention mask, positions 0..L-1 (a right pad never
+  influences earlier tokens under causal attention);
+- packed: all rows concatenated into one sequence [1, sum of lengths], no padding at all,
+  `position_ids` restarting at 0 for every row and no attention mask, so the attention
+  kernel isolates rows (transformers builds a block-diagonal causal mask for sdpa / eager /
+  flex attention, and varlen cu_seqlens for flash attention; `use_cache=False` is
+  essential: with a cache the rows would silently attend to each other). A micro-batch
+  then costs its real tokens, not rows x its longest row.
+Either way response token t of row b is predicted at one position of the model's output:
+`sel_rows[k], sel_cols[k]` for the k-th response token in row-major (b, t) order, and
+`flat_index[k] = b * T + t` puts its log-prob back into the [B, T] result. These index
+tensors are built on the host with the batch: nothing reads the mask back from the device.
+Log-probs use softmax(logits / tau), the rollout engine's convention (spec section 1).
 
-Two implementations with one result (a parity test holds them to 1e-5):
+Two implementations with one result (parity tests hold them to rounding):
 - `chunked` (default): the model body gives hidden states; only the positions that predict
   response tokens go through the LM head, a chunk of tokens at a time, in fp32
   (`lm_head.py`). Peak memory is one [chunk, V] block instead of [B, T, V] copies, which at
   Qwen3's V = 151,936 is what lets a GPU hold an update at all.
-- `full`: the plain logits path, [B, T, V] in fp32; the reference implementation.
+- `full`: the plain logits path, [B, L, V]; the reference implementation.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -23,34 +33,66 @@ from stages.train.lm_head import chunked_logprobs, hidden_for_targets, lm_head_w
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor       # [B, L] long
-    attention_mask: torch.Tensor  # [B, L] long
-    gather_cols: torch.Tensor     # [B, T] long: logit column predicting response token t
-    targets: torch.Tensor         # [B, T] long: response token ids (pad where mask 0)
-    mask: torch.Tensor            # [B, T] float: 1 on response tokens (incl. EOS)
+    input_ids: torch.Tensor              # [B, L] padded | [1, sum of lengths] packed
+    attention_mask: torch.Tensor | None  # [B, L] long (padded) | None (packed)
+    position_ids: torch.Tensor | None    # None (padded: 0..L-1) | [1, sum] restarting per row
+    sel_rows: torch.Tensor               # [N] long: output row predicting response token k
+    sel_cols: torch.Tensor               # [N] long: its column
+    targets_flat: torch.Tensor           # [N] long: response token ids
+    flat_index: torch.Tensor             # [N] long: b * T + t
+    mask: torch.Tensor                   # [B, T] float: 1 on response tokens (incl. EOS)
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(*(t.to(device, non_blocking=True) for t in
-                       (self.input_ids, self.attention_mask, self.gather_cols, self.targets, self.mask)))
+        """On `device`; from pinned host memory without waiting for the GPU when on CUDA."""
+        def move(t):
+            if t is None or t.device == device:
+                return t
+            if device.type == "cuda":
+                return t.pin_memory().to(device, non_blocking=True)
+            return t.to(device)
+        return Batch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
-def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int) -> Batch:
+def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
+               packed: bool = False) -> Batch:
+    """Rows prompt + response, padded [B, L] or packed [1, sum]; see the module docstring."""
     rows = [p + r for p, r in zip(prompt_ids, response_ids)]
-    width = max(map(len, rows))
     t_max = max(max(map(len, response_ids)), 1)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(rows), width), dtype=torch.long)
-    cols = torch.zeros((len(rows), t_max), dtype=torch.long)
-    targets = torch.full((len(rows), t_max), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), t_max))
+    sel_rows, sel_cols, targets, flat = [], [], [], []
+    offset = 0
     for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        ids[b, :len(p) + len(r)] = torch.tensor(p + r)
-        attn[b, :len(p) + len(r)] = 1
-        cols[b, :len(r)] = torch.arange(len(p) - 1, len(p) - 1 + len(r))
-        targets[b, :len(r)] = torch.tensor(r, dtype=torch.long)
+        start = offset if packed else 0
+        sel_rows += [0 if packed else b] * len(r)
+        sel_cols += range(start + len(p) - 1, start + len(p) - 1 + len(r))
+        targets += r
+        flat += range(b * t_max, b * t_max + len(r))
         mask[b, :len(r)] = 1.0
-    return Batch(ids, attn, cols, targets, mask)
+        offset += len(p) + len(r)
+    long = lambda xs: torch.tensor(xs, dtype=torch.long)   # noqa: E731
+    if packed:
+        ids = long([x for row in rows for x in row])[None]
+        positions = long([i for row in rows for i in range(len(row))])[None]
+        attn = None
+    else:
+        width = max(map(len, rows))
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids[b, :len(row)] = long(row)
+            attn[b, :len(row)] = 1
+        positions = None
+    return Batch(ids, attn, positions, long(sel_rows), long(sel_cols), long(targets), long(flat), mask)
 
+
+def scatter_rows(flat: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """[N] values of the response tokens -> [B, T] (0 on padding); differentiable."""
+    out = torch.zeros(batch.mask.numel(), dtype=flat.dtype, device=flat.device)
+    return out.scatter(0, batch.flat_index, flat).view(batch.mask.shape)
 
 
 def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
@@ -59,27 +101,24 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     enabled, entropy never does (a diagnostic). Padding positions hold 0."""
     if impl == "full":
         return _full_logprobs(model, batch, temperature, with_entropy)
-    keep = batch.mask > 0
-    hidden = hidden_for_targets(model, batch.input_ids, batch.attention_mask, batch.gather_cols, batch.mask)
+    hidden = hidden_for_targets(model, batch.input_ids, batch.attention_mask, batch.sel_rows, batch.sel_cols,
+                                batch.position_ids)
     weight, bias = lm_head_weight(model)
-    lp_flat, ent_flat = chunked_logprobs(hidden, weight, batch.targets[keep], temperature,
-                                         chunk_tokens, with_entropy, bias)
-    lp = torch.zeros(batch.mask.shape, dtype=lp_flat.dtype, device=lp_flat.device)
-    lp = lp.masked_scatter(keep, lp_flat)     # row-major (b, t), the order hidden_for_targets uses
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros_like(lp, requires_grad=False).masked_scatter(keep, ent_flat.detach())
+    lp_flat, ent_flat = chunked_logprobs(hidden, weight, batch.targets_flat, temperature, chunk_tokens,
+                                         with_entropy, bias, check_ids=False)
+    lp = scatter_rows(lp_flat, batch)
+    entropy = scatter_rows(ent_flat.detach(), batch) if with_entropy else None
     return lp, entropy
 
 
 def _full_logprobs(model, batch: Batch, temperature: float, with_entropy: bool):
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    cols = batch.gather_cols[:, :, None].expand(-1, -1, logits.shape[-1])
-    picked = logits.gather(1, cols)
-    logp = torch.log_softmax(picked.to(torch.promote_types(picked.dtype, torch.float32)) / temperature, dim=-1)  # [B, T, V]
-    lp = logp.gather(2, batch.targets[:, :, None]).squeeze(2) * batch.mask
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   position_ids=batch.position_ids, use_cache=False).logits
+    picked = logits[batch.sel_rows, batch.sel_cols]                                   # [N, V]
+    logp = torch.log_softmax(picked.to(torch.promote_types(picked.dtype, torch.float32)) / temperature, dim=-1)
+    lp = scatter_rows(logp.gather(1, batch.targets_flat[:, None]).squeeze(1), batch)
     entropy = None
     if with_entropy:
         with torch.no_grad():
-            entropy = -(logp.exp() * logp).sum(-1) * batch.mask
+            entropy = scatter_rows(-(logp.exp() * logp).sum(-1), batch)
     return lp, entropy

@@ -65,14 +65,15 @@ def launch(cfg, base_path: str, pool_path: Path, folder: Path) -> list[dict]:
 
 
 def _last_error(stderr: str) -> str:
-    """The most telling line of a failed torchrun: a rank's exception, else its exit code."""
+    """The most telling line of a failed torchrun: a rank's exception ("[rank0]: XError: ..."),
+    else any exception line, else its exit code."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "Error:" in ln or "Error " in ln.split(":")[0]:
-            return ln[:300]
-    for ln in reversed(lines):
-        if "exitcode" in ln:
-            return ln[:300]
+    for prefer in (lambda ln: ln.startswith("[rank") and "Error" in ln,
+                   lambda ln: ("Error:" in ln or "Error " in ln.split(":")[0]) and "ChildFailedError" not in ln,
+                   lambda ln: "exitcode" in ln):
+        found = [ln for ln in lines if prefer(ln)]
+        if found:
+            return found[-1][:300]
     return ""
 
 
