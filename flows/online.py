@@ -1,108 +1,78 @@
 """Prefect flow `ggpo` (deployment `online`): the paper's Algorithm 1, every cell of the grid.
 
-A cell (seed x method or variant x grid point, pipeline/grid.py) is a chain of rounds
-(spec 8.1): round r = `online_pool` (sync the sampler to the policy after round r-1,
-draw seeded prompt batches until N * G_mb mixed groups exist) then `online_train` (N
-updates continuing round r-1's state). Both are cached stages: a rerun reuses finished
-rounds, a killed round resumes from its checkpoint. Each cell's policy is evaluated at
-`train.eval_every` and at the end (base = update 0); the report (Table 1 / 2 / 4 and
-Figure 1 / 2 / 3 / 7 forms, pipeline/online_report.py) lands in the MLflow parent run.
-
-Submission order is round-robin over cells (every cell's round 0, then every round 1,
-...), each task taking its predecessor's future: Prefect runs a task once its inputs
-resolve, so cells advance concurrently (at most experiment.parallel builds at once) and
-no cell waits for another's rounds. MLflow: one run per cell, each round's metrics in one
-`log_batch`, the cell's round manifests as one artifact at its end; evaluations as
-nested runs like the offline flow's.
+A cell (seed x method or variant x grid point, pipeline/grid.py) is one long-lived task that
+keeps its learner and its sampler in memory for all its rounds (stages/online_cell.py):
+round r syncs the sampler to the learner, draws seeded prompt batches until N * G_mb mixed
+groups exist (`online_pool`), and takes N updates (`online_train`). Every round is still a
+content-addressed artifact keyed by the chain, so a rerun replays cached rounds, a killed
+cell resumes from its rolling checkpoint, and a longer run continues the chain. Each round
+shows in the Prefect UI (the cell's `<cell>-rounds` table artifact, a version per round)
+and in the cell's MLflow run (curves per update, counts per round). The policy at
+`train.eval_every` and at the end is evaluated (base = update 0) once its cell is done; the
+report (Table 1 / 2 / 4 / 7 and Figure 1 / 2 / 3 / 7 forms, pipeline/online_report.py)
+lands in the MLflow parent run. At most experiment.parallel cells build at once.
 """
 from __future__ import annotations
 
 import json
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 
 from flows.offline import Runner, cancelled, publish_report
-from pipeline import dag, grading, grid, interrupt, online_report, placement, tracking
+from pipeline import dag, grading, interrupt, online_report, placement, progress, tracking
 from pipeline.config import PipelineConfig
 from pipeline.grid import Cell
 from pipeline.preflight import check_run
-from pipeline.stage import build_slot, outcome, set_parallel_builds
+from pipeline.stage import build_slot, set_parallel_builds
 from pipeline.store import Manifest, Store
+from stages.online_cell import run_cell
 
 
 @task(task_run_name="{run_name}", cache_policy=NO_CACHE, retries=0)
-def online_stage_task(stage: str, cfg: PipelineConfig, inputs: dict[str, Manifest], run_name: str,
-                      force: bool = False, cell_run_id: str | None = None) -> Manifest:
+def cell_task(cfg: PipelineConfig, base: Manifest, run_name: str, cell_run_id: str | None = None) -> dict:
+    """One resident cell, all its rounds; its counts (engine starts, rounds sampled, ...)."""
     store = Store()
-    inputs = {n: store.resolve(m) for n, m in inputs.items()}     # made on another machine (Ray)?
+    base = store.resolve(base)
+    rounds: list[dict] = []
     with build_slot():
-        result = dag.run(stage, cfg, inputs, store, force)
-    get_run_logger().info("%s %s", run_name, outcome(result))
-    if stage == "online_train" and cell_run_id:
-        tracking.log_round(result, inputs["pool"], cell_run_id)
-    return result
+        counts = run_cell(cfg, store, base, on_round=partial(log_round, cell_run_id, run_name, rounds))
+    get_run_logger().info("%s: %s", run_name, {k: v for k, v in counts.items() if k != "folder"})
+    if cell_run_id:
+        tracking.log_params_metrics(tracking.client(), cell_run_id, {}, tracking.summary_metrics(
+            {f"cell/{k}": v for k, v in counts.items() if isinstance(v, int)}))
+    return counts
 
 
-class OnlineRunner(Runner):
-    """The offline flow's runner (each stage key submitted once) with round stages on the
-    cheap task above: a round logs into its cell's run, not a run of its own."""
-
-    def __init__(self, force: set[str], parent: str, cell_runs: dict[str, str]):
-        super().__init__(force, parent)
-        self.cell_runs = cell_runs
-
-    def submit(self, stage: str, cfg: PipelineConfig, inputs: dict, name: str) -> PrefectFuture:
-        if stage not in dag.ONLINE:
-            return super().submit(stage, cfg, inputs, name)
-        return placement.submit(online_stage_task, stage, cfg, stage, cfg, inputs, name, stage in self.force,
-                                self.cell_runs.get(name.rsplit("/", 1)[0]))
+def log_round(run_id: str | None, name: str, rounds: list[dict], r: int, pool: Manifest, trained: Manifest) -> None:
+    """A finished round: its curves and counts into the cell's MLflow run, and a row more in
+    the cell's Prefect table artifact (a new version per round)."""
+    if run_id:
+        tracking.log_round(trained, pool, run_id)
+    s = pool.summary
+    rounds.append({"round": r, "updates": trained.summary["updates"], "prompts_drawn": s["prompts_drawn"],
+                   "groups_kept": s["groups_kept"], "pool_mean_reward": round(s["pool_mean_reward"], 4),
+                   "final_reward": round(trained.summary["final_reward"], 4), "pool": pool.key[:16],
+                   "round_key": trained.key[:16]})
+    try:
+        create_table_artifact(table=rounds, key=progress.artifact_key(f"{name} rounds"),
+                              description=f"online cell {name}: one row per finished round")
+    except Exception as exc:     # noqa: BLE001 - the round is recorded in the store and MLflow already
+        get_run_logger().debug("round artifact not published: %s", exc)
 
 
 def cell_name(cell: Cell) -> str:
-    """The cell's MLflow run name, and the head of its round tasks' names ("<head>/pool-r3"):
-    method, N, the other grid values and the seed ("ggpo N=4 t_ref=fixed seed=42")."""
+    """The cell's MLflow run name and task name: method, N, the other grid values and the
+    seed ("ggpo N=4 t_ref=fixed seed=42")."""
     rest = [p for p in cell.label.split(" ")[1:] if not p.startswith(("updates_per_step=", "train.updates_per_step="))]
     return " ".join([cell.method, f"N={cell.config.train.updates_per_step}", *rest, f"seed={cell.seed}"])
-
-
-def submit_cell(step: OnlineRunner, cell: Cell, round_: int, prev: PrefectFuture | None) -> PrefectFuture:
-    """Round `round_` of a cell: its pool (sampled by `prev`, the previous round) and training."""
-    c = cell.config.updated({"online.round": round_})
-    head = cell_name(cell)
-    policy = prev if prev is not None else step("base", c, {}, "base")
-    pool = step("online_pool", c, {"policy": policy}, f"{head}/pool-r{round_}")
-    inputs = {"base": step("base", c, {}, "base"), "pool": pool} | ({"state": prev} if prev is not None else {})
-    return step("online_train", c, inputs, f"{head}/train-r{round_}")
-
-
-def submit_all(step: OnlineRunner, cells: list[Cell]) -> tuple[dict, list]:
-    """Every round of every cell, round-robin; evaluations as their rounds are submitted.
-    Returns (cell index -> [train future per round], [(record stub, eval future)])."""
-    rounds = {i: [] for i in range(len(cells))}
-    evals = []
-    for i, cell in enumerate(cells):
-        cb = cell.config.updated({"eval.target": "base"})
-        evals.append(({"cell": cell, "update": 0}, step("evaluate", cb, {"model": step("base", cb, {}, "base")},
-                                                         f"evaluate-base-seed{cell.seed}")))
-    n_rounds = [cell.config.train.updates // cell.config.train.updates_per_step for cell in cells]
-    for r in range(max(n_rounds)):
-        for i, cell in enumerate(cells):
-            if r >= n_rounds[i]:
-                continue
-            fut = submit_cell(step, cell, r, rounds[i][-1] if rounds[i] else None)
-            rounds[i].append(fut)
-            for _, update, at in (p for p in cell.config.train.online_eval_points() if p[0] == r):
-                ce = cell.config.updated({"eval.target": "online_train", "online.round": r, "eval.update": update})
-                evals.append(({"cell": cell, "update": at},
-                              step("evaluate", ce, {"model": fut}, f"evaluate-{cell_name(cell)}-u{at}")))
-    return rounds, evals
 
 
 def cell_runs(client, parent: str, cells: list[Cell]) -> dict[str, str]:
@@ -118,18 +88,48 @@ def cell_runs(client, parent: str, cells: list[Cell]) -> dict[str, str]:
     return out
 
 
-def collect(cells: list[Cell], rounds: dict, evals: list, cfg: PipelineConfig, client,
+def submit_cells(step: Runner, cells: list[Cell], runs: dict[str, str]) -> tuple[list, list]:
+    """Every cell's task and every base evaluation: ([cell future], [(stub, eval future)])."""
+    evals, futures = [], []
+    for cell in cells:
+        cb = cell.config.updated({"eval.target": "base"})
+        base = step("base", cb, {}, "base")
+        evals.append(({"cell": cell, "update": 0}, step("evaluate", cb, {"model": base}, f"evaluate-base-seed{cell.seed}")))
+        name = cell_name(cell)
+        futures.append(placement.submit(cell_task, "online", cell.config, cell.config, base, name, runs.get(name)))
+        step.submitted[("online", name)] = futures[-1]       # a stop request waits for it too
+    return futures, evals
+
+
+def submit_evaluations(step: Runner, cell: Cell, store: Store) -> list:
+    """A finished cell's evaluation points: its kept policies, each evaluated."""
+    out = []
+    for _, _, at in cell.config.train.online_eval_points():
+        ce = cell.config.updated({"eval.target": "online", "eval.update": at})
+        policy = store.load("online_policy", dag.expected_key("online_policy", ce))
+        if policy is None:
+            raise RuntimeError(f"cell {cell_name(cell)} finished without its policy after update {at}")
+        out.append(({"cell": cell, "update": at}, step("evaluate", ce, {"model": policy}, f"evaluate-{cell_name(cell)}-u{at}")))
+    return out
+
+
+def collect(cells: list[Cell], futures: list, evals: list, step: Runner, cfg: PipelineConfig, client,
             runs: dict[str, str]) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Wait for everything; (evaluations, per-update curves) with each cell's columns. Each
-    cell run gets its evaluations as metrics and its round manifests as one artifact."""
-    key, records, curves = f"mean_at_{cfg.eval.n_samples}", [], []
+    """Wait for the cells (submitting each one's evaluations as it finishes), then the
+    evaluations; (evaluations, per-update curves) with each cell's columns. Each cell run
+    gets its evaluations as metrics and its round records as one artifact."""
+    store, key, records, curves = Store(), f"mean_at_{cfg.eval.n_samples}", [], []
+    for cell, future in zip(cells, futures):
+        future.result()
+        evals += submit_evaluations(step, cell, store)
     for stub, future in evals:
         cell, m = stub["cell"], future.result()
         records.append(online_report.record(cell, cfg, stub["update"], m))
-        run = runs[cell_name(cell)]
-        tracking.log_params_metrics(client, run, {}, [(f"eval/{key}", m.summary[key], stub["update"])])
-    for i, cell in enumerate(cells):
-        manifests = [f.result() for f in rounds[i]]
+        tracking.log_params_metrics(client, runs[cell_name(cell)], {}, [(f"eval/{key}", m.summary[key], stub["update"])])
+    for cell in cells:
+        c, tc = cell.config, cell.config.train
+        manifests = [store.load("online_train", dag.online_keys(c, r)["online_train"])
+                     for r in range(tc.updates // tc.updates_per_step)]
         curves.append(online_report.cell_curves(cell, cfg, manifests))
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "rounds.json"
@@ -160,9 +160,9 @@ def ggpo_online(preset: str = "tiny-online", overrides: dict[str, Any] | None = 
                     as (client, parent):
                 set_parallel_builds(cfg.experiment.parallel)
                 runs = cell_runs(client, parent, cells)
-                step = OnlineRunner(set(force or []), parent, runs)
-                rounds, evals = submit_all(step, cells)
-                evaluations, curves = collect(cells, rounds, evals, cfg, client, runs)
+                step = Runner(set(force or []), parent)
+                futures, evals = submit_cells(step, cells, runs)
+                evaluations, curves = collect(cells, futures, evals, step, cfg, client, runs)
                 folder = tracking.report_folder("online", preset)
                 result = online_report.log(client, parent, evaluations, curves, cfg, folder)
         except Exception:

@@ -54,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
                      help="run it as the served deployment ggpo/<flow> (after ggpo up), with its logs here; "
                           "Ctrl-C cancels the Prefect run, which stops at safe points")
     st = sub.add_parser("stage", help="run one stage from the cached artifacts of its inputs")
-    st.add_argument("name", choices=dag.STAGE_NAMES)
+    st.add_argument("name", choices=dag.STAGE_NAMES + ("online",),
+                    help="a stage, or `online`: one online cell, every round (the cell of --preset/--set)")
     _config_args(st)
     st.add_argument("--force", action="store_true", help="recompute even if cached")
     st.add_argument("--no-track", action="store_true", help="do not log to MLflow")
@@ -303,6 +304,8 @@ def cmd_stage(args) -> int:
     interrupt.reset()
     with interrupt.handlers():       # Ctrl-C: stop at a safe point (training checkpoints), exit 130
         try:
+            if args.name == "online":
+                return stage_online(cfg, store, args)
             inputs = dag.cached_inputs(args.name, cfg, store, args.preset)
             manifest = dag.run(args.name, cfg, inputs, store, args.force)
         except interrupt.Interrupted:
@@ -315,6 +318,22 @@ def cmd_stage(args) -> int:
     print("  summary " + json.dumps(manifest.summary))
     if not args.no_track:
         run_id = tracking.log_stage(manifest, f"stage-{args.name}")
+        print(f"  mlflow run {tracking.run_link(run_id) or run_id + ' in ' + tracking.tracking_uri()}")
+    return 0
+
+
+def stage_online(cfg, store: Store, args) -> int:
+    """`ggpo stage online`: the cell of this config (one method, one seed), all its rounds,
+    resumed from its checkpoint and cached rounds; prints its counts and last round."""
+    from stages.online_cell import run_cell
+    base = dag.run("base", cfg, {}, store)
+    counts = run_cell(cfg, store, base)
+    last = store.load("online_train", counts["final_round"])
+    print(f"online cell {cfg.train.method} seed {cfg.seed}: {counts['rounds']} rounds, {counts['update']} updates\n"
+          f"  counts {json.dumps({k: v for k, v in counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})}\n"
+          f"  state  {counts['folder']}\n  last round {last.key}  {last.folder}\n  summary {json.dumps(last.summary)}")
+    if not args.no_track:
+        run_id = tracking.log_stage(last, f"stage-online {cfg.train.method} seed {cfg.seed}")
         print(f"  mlflow run {tracking.run_link(run_id) or run_id + ' in ' + tracking.tracking_uri()}")
     return 0
 

@@ -175,8 +175,8 @@ class TrainConfig(Section):
 
     def online_eval_points(self) -> list[tuple[int, int | None, int]]:
         """Where the online flow evaluates: (round, eval.update, update) for every
-        eval_every point and the end. A point at a round's end is that round's final policy
-        (eval.update None); one inside a round is the round's snapshot."""
+        eval_every point and the end (the round that contains the update; the cell keeps
+        an online_policy there)."""
         n = self.updates_per_step
         return [(-(-at // n) - 1, None if at % n == 0 else at, at) for at in self.snapshot_updates() + [self.updates]]
 
@@ -238,8 +238,8 @@ class OnlineConfig(Section):
     """The online loop (spec 8.1-8.3, flows/online.py): each round syncs the sampler to the
     learner, draws prompt batches from the seeded loader until N * G_mb mixed-reward groups
     exist, then takes N = train.updates_per_step updates on them."""
-    # which round `ggpo stage online_pool|online_train` builds (0-based); the flow sets it.
-    # Never in a key: a round's place in the chain is its inputs' keys
+    # which round `ggpo stage online_pool|online_train` reads from the cache (0-based; a cell
+    # builds them). Never in a key: a round's place in the chain is its inputs' keys
     round: int = Field(0, ge=0)
     # prompts per draw; None = N * G_mb (spec 8.2 [choice])
     draw_prompts: int | None = Field(None, ge=1)
@@ -247,14 +247,23 @@ class OnlineConfig(Section):
     # solved, none solved) stops with the counts, never loops forever. Not in a key
     max_draws: int = Field(16, ge=1)
 
+    # rounds between an online cell's rolling checkpoints (the last 2 are kept, and one at the
+    # end); "auto": every ceil(16 / N) rounds, about one per 16 updates: at the paper's scale
+    # (Qwen3-1.7B, G_mb 32, m 8, ~1.6 k-token responses on one H200) an update with its share
+    # of sampling is ~55 s, so about one checkpoint per 15 minutes. Not in any key
+    checkpoint_every: int | Literal["auto"] = "auto"
+
     def per_draw(self, tc: "TrainConfig") -> int:
         return self.draw_prompts or tc.updates_per_step * tc.groups_per_update
 
+    def checkpoint_rounds(self, tc: "TrainConfig") -> int:
+        return self.checkpoint_every if isinstance(self.checkpoint_every, int) else max(1, -(-16 // tc.updates_per_step))
+
 
 class EvalConfig(Section):
-    # which model `ggpo stage evaluate` scores: the offline run, pi_0, or the online run
-    # after round online.round
-    target: Literal["train", "base", "online_train"] = "train"
+    # which model `ggpo stage evaluate` scores: the offline run, pi_0, or an online cell's
+    # policy after update eval.update (its evaluation points: train.eval_every and the end)
+    target: Literal["train", "base", "online"] = "train"
     update: int | None = None                    # a training snapshot (train.eval_every); None = final
     # empty: the task's own eval split; else benchmark names read from data_dir
     # (math500, aime24, aime25, olympiadbench, minerva_math, math_train)
@@ -300,11 +309,11 @@ class PipelineConfig(Section):
             _set_dotted(tree, key, value)
         return PipelineConfig.model_validate(tree)
 
-    def slice(self, fields: tuple[str, ...]) -> dict[str, Any]:
+    def slice(self, fields: tuple[str, ...], drop: tuple[str, ...] = ()) -> dict[str, Any]:
         """The config fields a stage reads ("train" or "task.name"), as JSON-able data:
-        its cache-key part."""
+        its cache-key part; `drop`: dotted fields left out (not the stage's content)."""
         dumped = self.model_dump(mode="json")
-        for dotted in KEY_EXCLUDE:
+        for dotted in KEY_EXCLUDE + tuple(drop):
             section, leaf = dotted.split(".")
             dumped[section].pop(leaf, None)
         out: dict[str, Any] = {}

@@ -8,6 +8,7 @@ that rebuilds it.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 
 from pipeline.config import PipelineConfig
@@ -17,8 +18,12 @@ from pipeline.errors import DamagedArtifact
 from pipeline.store import Manifest, Store
 from pipeline.store import canonical_json as canonical
 
-STAGE_NAMES = ("base", "rollout", "verify", "filter", "train", "evaluate", "online_pool", "online_train")
+STAGE_NAMES = ("base", "rollout", "verify", "filter", "train", "evaluate", "online_pool", "online_train",
+               "online_policy")
 ONLINE = ("online_pool", "online_train")
+
+
+EVAL_TARGETS = {"train": "train", "base": "base", "online": "online_policy"}   # eval.target -> stage
 
 
 class MissingInput(RuntimeError):
@@ -49,6 +54,9 @@ def sources(stage: str, config: PipelineConfig) -> dict[str, tuple[str, Pipeline
     prev = config.updated({"online.round": r - 1}) if stage in ONLINE and r > 0 else None
     if stage == "online_pool":
         return {"policy": ("online_train", prev) if prev else ("base", config)}
+    if stage == "online_policy":
+        update = config.eval.update or config.train.updates
+        return {"round": ("online_train", config.updated({"online.round": round_of(update, config)}))}
     if stage == "online_train":
         return {"base": ("base", config), "pool": ("online_pool", config)} | (
             {"state": ("online_train", prev)} if prev else {})
@@ -58,7 +66,7 @@ def sources(stage: str, config: PipelineConfig) -> dict[str, tuple[str, Pipeline
         "verify": {"rollout": "rollout"},
         "filter": {"rollout": "rollout", "verify": "verify"},
         "train": {"base": "base", "pool": "filter"},
-        "evaluate": {"model": config.eval.target},
+        "evaluate": {"model": EVAL_TARGETS[config.eval.target]},
     }[stage].items()}
 
 
@@ -71,10 +79,7 @@ def online_keys(config: PipelineConfig, round_: int) -> dict[str, str]:
     iteratively (a 1,000-round run must not recurse 2,000 deep). Keys do not depend on
     online.round itself, only on the inputs' keys."""
     pool_spec, train_spec = spec("online_pool"), spec("online_train")
-    # what enters the chain's keys, the task file's content included (evaluation settings and
-    # online.round do not): one walk per cell
-    chain = _chains.setdefault(canonical([config.slice(("seed", "model", "task", "rollout", "verify", "train",
-                                                        "online.draw_prompts")), content_key(pool_spec, config)]), [])
+    chain = _chains.setdefault(chain_identity(config), [])
     base = expected_key("base", config)
     while len(chain) <= round_:
         prev = chain[-1]["online_train"] if chain else None
@@ -85,9 +90,33 @@ def online_keys(config: PipelineConfig, round_: int) -> dict[str, str]:
     return chain[round_]
 
 
+def chain_identity(config: PipelineConfig) -> str:
+    """What an online cell's chain of rounds depends on, as canonical JSON: the fields its
+    round keys read (not the run's length, evaluation or checkpoint schedule, nor
+    online.round) and the task file's content. One walk of the chain per identity."""
+    train_spec = spec("online_train")
+    return canonical([config.slice(("seed", "model", "task", "rollout", "verify", "train", "online.draw_prompts"),
+                                   train_spec.ignores), content_key(spec("online_pool"), config)])
+
+
+def cell_key(config: PipelineConfig) -> str:
+    """The key of an online cell's state folder (its rolling checkpoints): its chain's identity
+    and its base model."""
+    return hashlib.sha256((chain_identity(config) + expected_key("base", config)).encode()).hexdigest()
+
+
+def round_of(update: int, config: PipelineConfig) -> int:
+    """The online round whose updates include `update` (1-based update counts)."""
+    return -(-update // config.train.updates_per_step) - 1
+
+
 def expected_key(stage: str, config: PipelineConfig) -> str:
     if stage in ONLINE:
         return online_keys(config, config.online.round)[stage]
+    if stage == "online_policy":
+        update = config.eval.update or config.train.updates
+        chain = online_keys(config, round_of(update, config))["online_train"]
+        return key_for(spec(stage), config.updated({"eval.update": update}), {"round": chain})
     inputs = {name: expected_key(src, cfg) for name, (src, cfg) in sources(stage, config).items()}
     return key_for(spec(stage), config, dict(sorted(inputs.items())))
 
@@ -106,17 +135,31 @@ def cached_inputs(stage: str, config: PipelineConfig, store: Store,
         if manifest is None and src == "base" and cfg.model.name_or_path:
             manifest = run_stage(spec("base"), cfg, {}, store)    # records the external model's path: free
         if manifest is None:
-            where = f" --set online.round={cfg.online.round}" if src in ONLINE else ""
-            missing.append(f"  input '{name}' from stage '{src}': build it with "
-                           f"`ggpo stage {src} --preset {preset}{where}` (and the same --set options)")
+            missing.append(missing_line(name, src, cfg, preset))
         else:
             found[name] = manifest
     if missing:
         raise MissingInput(
             f"stage '{stage}' needs inputs that are not in the cache ({store.location}) for this config:\n"
-            + "\n".join(missing) + f"\nor build everything with `ggpo run {'online' if stage in ONLINE else 'offline'} "
+            + "\n".join(missing) + f"\nor build everything with `ggpo run {'online' if online_side(stage, config) else 'offline'} "
             f"--preset {preset}`")
     return found
+
+
+def online_side(stage: str, config: PipelineConfig) -> bool:
+    """Whether `stage` under `config` belongs to the online flow."""
+    return stage in ONLINE + ("online_policy",) or (stage == "evaluate" and config.eval.target == "online")
+
+
+def missing_line(name: str, src: str, cfg: PipelineConfig, preset: str) -> str:
+    """How to build a missing input: its stage, or for an online round its cell (which
+    builds every round of its chain in one process)."""
+    if src in ONLINE or src == "online_policy":
+        what = f"round {cfg.online.round}" if src in ONLINE else f"the policy after update {cfg.eval.update}"
+        return (f"  input '{name}' from stage '{src}' ({what} of an online cell): build it with "
+                f"`ggpo stage online --preset {preset}` (and the same --set options)")
+    return (f"  input '{name}' from stage '{src}': build it with `ggpo stage {src} --preset {preset}` "
+            f"(and the same --set options)")
 
 
 def rebuild(name: str, stage: str, problems: list[str], config: PipelineConfig, store: Store,
@@ -157,7 +200,7 @@ def online_experiment_keys(config: PipelineConfig) -> set[tuple[str, str]]:
         keys.add(("evaluate", expected_key("evaluate", c.updated({"eval.target": "base"}))))
         for r in range(tc.updates // tc.updates_per_step):
             keys |= set(online_keys(c, r).items())
-        for r, update, _ in tc.online_eval_points():
-            ce = c.updated({"eval.target": "online_train", "online.round": r, "eval.update": update})
-            keys.add(("evaluate", expected_key("evaluate", ce)))
+        for _, _, at in tc.online_eval_points():
+            ce = c.updated({"eval.target": "online", "eval.update": at})
+            keys |= {("evaluate", expected_key("evaluate", ce)), ("online_policy", expected_key("online_policy", ce))}
     return keys

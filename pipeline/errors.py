@@ -27,7 +27,11 @@ class DamagedArtifact(RuntimeError):
 
 
 class TrainingError(RuntimeError):
-    """Training stopped: a bad pool, a non-finite update, a failed rank."""
+    """Training stopped: a bad pool, a non-finite update, a failed rank, a bad checkpoint."""
+
+
+class WeightSyncError(RuntimeError):
+    """A sampler refused the learner's weights (names or shapes that are not its model's)."""
 
 
 # the benchmark files eval.benchmarks may name (pipeline/benchmarks.py reads them)

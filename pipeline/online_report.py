@@ -62,9 +62,10 @@ def from_cache(cfg: PipelineConfig, store) -> tuple[pl.DataFrame, pl.DataFrame, 
     def load(stage: str, c: PipelineConfig, key: str | None = None):
         key = key or dag.expected_key(stage, c)
         m = store.load(stage, key)
-        if (stage, key) not in seen:
+        if (stage, key) not in seen:    # a round's record is written after its updates: their time
             seen.add((stage, key))
-            timings.append((stage, m.seconds if m else None))
+            timings.append((stage, (m.summary.get("train_seconds", m.seconds) if stage == "online_train"
+                                    else m.seconds) if m else None))
         return m
     load("base", cfg)
     for cell in grid.cells(cfg):
@@ -74,13 +75,14 @@ def from_cache(cfg: PipelineConfig, store) -> tuple[pl.DataFrame, pl.DataFrame, 
         rounds = []
         for r in range(tc.updates // tc.updates_per_step):
             keys = dag.online_keys(c, r)
-            pool, trained = load("online_pool", c, keys["online_pool"]), load("online_train", c, keys["online_train"])
+            load("online_pool", c, keys["online_pool"])     # for its timing
+            trained = load("online_train", c, keys["online_train"])
             if trained is None:
                 break
             rounds.append(trained)
-        for r, update, at in tc.online_eval_points():
+        for r, _, at in tc.online_eval_points():
             if r < len(rounds):
-                e = load("evaluate", c.updated({"eval.target": "online_train", "online.round": r, "eval.update": update}))
+                e = load("evaluate", c.updated({"eval.target": "online", "eval.update": at}))
                 records += [record(cell, cfg, at, e)] if e else []
         if rounds:
             curves.append(cell_curves(cell, cfg, rounds))

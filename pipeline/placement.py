@@ -57,10 +57,8 @@ PIP_EXTRA = "pip install -e '.[ray]'"
 # AWS_: an s3:// store's credentials and endpoint (pipeline/remote_store.py) reach the workers
 FORWARD = ("GGPO_", "MLFLOW_", "PREFECT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "AWS_")
 WORKDIR_ENV = "GGPO_WORKDIR"     # the flow's working directory, for relative paths
-# stages that run a model: a GPU each when they run on CUDA. online_pool samples like
-# rollout; online_train trains like train
-MODEL_STAGES = {"rollout": "engine", "evaluate": "engine", "online_pool": "engine",
-                "train": "trainer", "online_train": "trainer"}
+MODEL_STAGES = {"rollout": "engine", "evaluate": "engine", "train": "trainer",
+                "online": "trainer"}     # an online cell: its learner, and its sampler beside it
 
 
 def ray_address(cfg) -> tuple[str, str]:

@@ -182,9 +182,6 @@ def check_online(cfg: PipelineConfig) -> None:
         raise ConfigError(f"a round needs train.updates_per_step x train.groups_per_update = {need} distinct "
                           f"mixed-reward groups but the task has {n_prompts} training prompts (task.n_train); "
                           f"lower train.updates_per_step or train.groups_per_update")
-    if tc.nproc > 1 or tc.nnodes > 1:
-        raise ConfigError("train.nproc / train.nnodes > 1: online rounds train in one process for now "
-                          "(the offline train stage runs under torchrun); set train.nproc=1")
     if cfg.online.per_draw(tc) * cfg.online.max_draws < need:
         raise ConfigError(f"online.max_draws x draw size = {cfg.online.per_draw(tc) * cfg.online.max_draws} "
                           f"prompts can never fill a round of {need} groups")

@@ -43,6 +43,7 @@ class StageSpec:
     reads: tuple[str, ...]          # config sections that enter the key
     build: Callable[[PipelineConfig, dict[str, Manifest], Path], Built]
     keep_on_rebuild: tuple[str, ...] = ()   # e.g. checkpoints/, so a rerun resumes
+    ignores: tuple[str, ...] = ()           # dotted fields under `reads` that are not content (train.updates)
     # content hashes of files outside the store the stage reads: {"label": sha256}
     extra_key: Callable[[PipelineConfig], dict[str, str]] | None = None
 
@@ -89,7 +90,7 @@ def key_for(spec: StageSpec, config: PipelineConfig, input_keys: dict[str, str],
             content: dict[str, str] | None = None) -> str:
     """The stage's cache key; `content` (content_key's result) when the caller has it."""
     content = content_key(spec, config) if content is None else content
-    return stage_key(spec.name, spec.version, config.slice(spec.reads), input_keys, content)
+    return stage_key(spec.name, spec.version, config.slice(spec.reads, spec.ignores), input_keys, content)
 
 
 def verify_inputs(spec: StageSpec, inputs: dict[str, Manifest]) -> None:
@@ -148,7 +149,7 @@ def _run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manife
     files = {name: file_entry(folder, rel, rows) for name, (rel, rows) in built.files.items()}
     manifest = Manifest(
         stage=spec.name, key=key, version=spec.version, folder=str(folder),
-        config=config.slice(spec.reads), inputs=input_keys, files=files,
+        config=config.slice(spec.reads, spec.ignores), inputs=input_keys, files=files,
         summary=built.summary, created_at=now_iso(),
         seconds=round(time.perf_counter() - start, 3), content=content,
     )

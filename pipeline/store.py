@@ -86,7 +86,7 @@ def model_path(manifest: Manifest, update: int | None = None) -> str:
     its own copy. Only an external model (`model.name_or_path`) comes from the summary."""
     if "weights" not in manifest.files:
         return manifest.summary["model_path"]
-    if update is None or manifest.stage == "base":
+    if update is None or manifest.stage in ("base", "online_policy"):     # one model each
         return str(manifest.path("weights").parent)
     if f"snapshot_{update}" not in manifest.files:
         known = sorted(int(k.split("_")[1]) for k in manifest.files if k.startswith("snapshot_"))
@@ -481,7 +481,8 @@ def gc_plan(store: Store, versions: dict[str, int], protected: set[tuple[str, st
             all_interrupted: bool = False) -> list[tuple[Path, str, int]]:
     """(folder, why, bytes) of what `ggpo cache gc` removes. The rule is conservative:
     - an interrupted build (no manifest, or an unreadable one), except a train folder with
-      checkpoints/ (a rerun resumes from it) unless all_interrupted;
+      checkpoints/ or an online cell's state folder (a rerun resumes from it) unless
+      all_interrupted;
     - an unreachable artifact: its stage is gone, or its stage version is not the code's
       (`versions`: stage -> current version), or it was built on an unreachable one. Keys
       include the version, so no run of this code can ever read these;
@@ -499,8 +500,8 @@ def gc_plan(store: Store, versions: dict[str, int], protected: set[tuple[str, st
         if manifest is not None:
             complete[manifest.key] = (folder, manifest)
             continue
-        if stage == "train" and (folder / "checkpoints").is_dir() and not all_interrupted and not error:
-            continue
+        if stage in ("train", "online_cell") and (folder / "checkpoints").is_dir() and not all_interrupted and not error:
+            continue        # a training run or an online cell's state: a rerun resumes from it
         why = f"{MANIFEST} unreadable" if error else "interrupted build (no manifest)"
         plan.append((folder, why, folder_bytes(folder)))
     dead = {k for k, (_, m) in complete.items() if versions.get(m.stage) != m.version}

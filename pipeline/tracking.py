@@ -32,7 +32,7 @@ from pipeline.grid import fmt, short_names
 
 EXPERIMENT = "ggpo-offline"
 EXPERIMENTS = {"offline": EXPERIMENT, "online": "ggpo-online"}
-ONLINE_STAGES = ("online_pool", "online_train")
+ONLINE_STAGES = ("online_pool", "online_train", "online_policy")
 ARTIFACT_LIMIT = 64 * 1024 * 1024     # larger files are referenced by path and hash
 # Without this tag MLflow 3's UI opens the experiment in its GenAI view (traces, sessions) and
 # files training runs under "Evaluation runs"; this value selects the model-training view.

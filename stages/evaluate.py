@@ -86,7 +86,7 @@ def benchmark_table(samples: pl.DataFrame, n: int, ks: list[int]) -> pl.DataFram
     return pl.DataFrame(rows + ([avg] if len(rows) > 1 else []))
 
 
-TRAINED = ("train", "online_train")       # stages whose model has an update count
+TRAINED = ("train", "online_policy")      # stages whose model has an update count
 
 
 def progress_name(cfg: PipelineConfig, model: Manifest) -> str:

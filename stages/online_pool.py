@@ -1,8 +1,11 @@
 """Stage `online_pool`: one round's training groups under the synced sampler (spec 8.1-8.3).
 
-Input `policy`: pi_0 (the `base` stage) for round 0, else the previous round's
-`online_train` artifact, whose final policy is pi_beh for this round (the sync) and whose
-summary carries the prompt cursor and the cumulative counts. Reads `seed`, `task`,
+Built only inside an online cell (stages/online_cell.py), by its resident engine, whose
+weights the cell has just synced to the learner's (Algorithm 1 line 3); a cached pool is
+the cell's log, which a resumed cell replays without sampling it again. Input `policy`:
+pi_0 (the `base` stage) for round 0, else the previous round's `online_train` artifact,
+whose summary carries the prompt cursor and the cumulative counts (the policy itself is
+the cell's learner, not a file). Reads `seed`, `task`,
 `rollout`, `verify.timeout_s`, `train.groups_per_update`, `train.updates_per_step`, `online.draw_prompts`.
 
 Algorithm (spec 8.1 inner loop, 8.2 refill):
@@ -34,12 +37,13 @@ import pyarrow as pa
 
 from pipeline import progress, tasks
 from pipeline.config import PipelineConfig
-from pipeline.engines import SamplingParams, make_engine
+from pipeline.engines import SamplingParams
+from pipeline.errors import ConfigError
 from pipeline.grading import grade_many
 from pipeline.schemas import TRAIN_POOL, write_parquet
 from pipeline.seeding import derive_seed, permutation
-from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store, model_path
+from pipeline.stage import Built, StageSpec
+from pipeline.store import Manifest
 from stages.rollout import prompt_table, rollout_table
 
 DRAWS = pa.schema([("draw", pa.int32()), ("position", pa.int64()), ("prompt_id", pa.string()),
@@ -103,11 +107,10 @@ def round_start(policy: Manifest) -> dict:
             "cumulative_prompts": s["cumulative_prompts"], "cumulative_responses": s["cumulative_responses"]}
 
 
-def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
+def sample_round(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, engine) -> Built:
+    """The round's pool from `engine` (synced to this round's policy by the cell)."""
     rc, tc, at = cfg.rollout, cfg.train, round_start(inputs["policy"])
     r, need, per_draw = at["round"], tc.updates_per_step * tc.groups_per_update, cfg.online.per_draw(cfg.train)
-    engine = make_engine(rc.engine, model_path(inputs["policy"]), rc.batch_prompts, cfg.model.threads,
-                         rollout_cfg=rc, device=cfg.train.device, seed=cfg.seed)   # the sync: pi_beh <- pi_theta
     problems = tasks.splits(cfg.task)["train"]
     drawn: list[dict] = []      # one entry per drawn prompt, for draws.parquet
     seconds = {"generate": 0.0, "grade": 0.0}   # the round's work, for the overhead figure
@@ -140,10 +143,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
             groups.append(((len(drawn) - 1, group), group["reward"]))
         return groups
 
-    try:
-        refill = collect_mixed(draw, need, cfg.online.max_draws, f"online round {r} (seed {cfg.seed})")
-    finally:
-        getattr(engine, "close", lambda: None)()      # a vLLM engine hands its GPUs back, even on failure
+    refill = collect_mixed(draw, need, cfg.online.max_draws, f"online round {r} (seed {cfg.seed})")
     table: dict[str, list] = {name: [] for name in TRAIN_POOL.names}
     for position, (index, group) in enumerate(refill.kept):
         drawn[index]["kept"] = True
@@ -163,12 +163,12 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         "grading_retries": retries[0], "grading_timeouts": retries[1], **tasks.file_report(cfg.task)})
 
 
-SPEC = StageSpec(name="online_pool", version=2,
+def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
+    raise ConfigError("an online round's pool is sampled by its cell's resident engine: run the cell "
+                      "(`ggpo stage online` or `ggpo run online`), which builds or replays every round")
+
+
+SPEC = StageSpec(name="online_pool", version=3,
                  reads=("seed", "task", "rollout", "verify.timeout_s", "verify.retry_timeout_s",
                         "train.groups_per_update", "train.updates_per_step",
                         "online.draw_prompts"), build=build)
-
-
-def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,
-        force: bool = False) -> Manifest:
-    return run_stage(SPEC, config, inputs, store, force)

@@ -1,5 +1,6 @@
 """The online loop (spec 8.1-8.3): refill counts, the seeded loader, on-policy ratios at
-N = 1, staleness within a step, SIGKILL mid-round and resume, bad input."""
+N = 1, staleness within a step, bad input, the flow's cells against sequential ones (the
+resident cell itself: tests/test_online_cell.py)."""
 import os
 import subprocess
 from pathlib import Path
@@ -7,15 +8,13 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from pipeline import dag
 from pipeline.config import ConfigError, load_config
-from pipeline.store import MANIFEST, Store
-from stages import online_pool
+from pipeline.store import Store
 from stages.online_pool import RefillError, collect_mixed, loader_positions
 
-from conftest import BIN, REPO, sigkill_after_checkpoint
+from conftest import BIN, REPO
 from tolerance import rounding_tol
 
 
@@ -51,16 +50,19 @@ def test_loader_order_depends_only_on_seed_and_epoch():
     assert loader_positions(0, 10, 10, seed=1234) != first
 
 
-def run_rounds(cfg, base, rounds: int, store=None):
-    """The online chain through dag.run, as the flow runs it; returns the train manifests."""
-    store, prev, out = store or Store(), None, []
-    for r in range(rounds):
-        c = cfg.updated({"online.round": r})
-        pool = dag.run("online_pool", c, {"policy": prev or base}, store)
-        prev = dag.run("online_train", c, {"base": base, "pool": pool} | ({"state": prev} if prev else {}), store)
-        assert (pool.key, prev.key) == (dag.expected_key("online_pool", c), dag.expected_key("online_train", c))
-        out.append(prev)
-    return out
+def run_cell(cfg, base, store=None) -> tuple[dict, list]:
+    """One online cell in this process, as the flow runs it: (its counts, its round records)."""
+    from stages.online_cell import run_cell as run
+    store = store or Store()
+    counts = run(cfg, store, base)
+    rounds = cfg.train.updates // cfg.train.updates_per_step
+    records = [store.load("online_train", dag.online_keys(cfg, r)["online_train"]) for r in range(rounds)]
+    assert records[-1].key == counts["final_round"] and all(records), counts
+    return counts, records
+
+
+def final_policy(cfg, store=None):
+    return (store or Store()).load("online_policy", dag.expected_key("online_policy", cfg))
 
 
 def metrics_of(manifests) -> pl.DataFrame:
@@ -71,11 +73,13 @@ def test_n1_with_an_fp32_sampler_is_on_policy(base_manifest, logit_scale):
     """N = 1: every update is a step start, and the learner's log-probs equal the sampler's
     within fp32 rounding: the sampler's KV-cached forward and the trainer's full forward are
     two fp32 computations of the same log-prob (tests/tolerance.py; scale: the model's
-    largest logit, terms: its hidden size)."""
+    largest logit, terms: its hidden size). The sampler is synced in place each round: a
+    sampler left at pi_0 would show the learner's drift from round 1 on."""
     cfg = load_config("smoke-online", {"train.updates_per_step": 1, "train.updates": 3, "train.method": "grpo_tis",
                                        "rollout.dtype": "float32", "train.lr": 1e-4})
-    rows = metrics_of(run_rounds(cfg, base_manifest, 3))
-    assert rows["staleness"].to_list() == [0, 0, 0]
+    counts, records = run_cell(cfg, base_manifest)
+    rows = metrics_of(records)
+    assert rows["staleness"].to_list() == [0, 0, 0] and counts["engine_starts"] == 1
     tol = 2 * rounding_tol(torch.float32, *logit_scale)
     print(f"\nmax |log rho| {rows['max_abs_log_ratio'].max():.2e}, token mean {rows['abs_log_ratio'].max():.2e}, "
           f"K3 {rows['k3_mismatch'].max():.2e}; tolerance {tol:.2e}")
@@ -86,7 +90,7 @@ def test_n1_with_an_fp32_sampler_is_on_policy(base_manifest, logit_scale):
 
 def test_bf16_sampler_shows_a_mismatch_at_n1(base_manifest):
     cfg = load_config("smoke-online", {"train.updates_per_step": 1, "train.updates": 1, "rollout.dtype": "bfloat16"})
-    rows = metrics_of(run_rounds(cfg, base_manifest, 1))
+    rows = metrics_of(run_cell(cfg, base_manifest)[1])
     assert rows["max_abs_log_ratio"][0] > 1e-3 and rows["k3_mismatch"][0] > 1e-6
 
 
@@ -95,40 +99,15 @@ def test_the_jth_update_of_a_step_is_j_updates_stale(base_manifest, logit_scale)
     K3 is ~0 at j = 0 and grows with j (means over three rounds: each j sees other groups)."""
     cfg = load_config("smoke-online", {"train.updates_per_step": 4, "train.groups_per_update": 6,
                                        "train.updates": 12, "rollout.dtype": "float32", "train.lr": 3e-5})
-    rows = metrics_of(run_rounds(cfg, base_manifest, 3))
+    rows = metrics_of(run_cell(cfg, base_manifest)[1])
     assert rows["staleness"].to_list() == [0, 1, 2, 3] * 3
     k3 = rows.group_by("staleness").agg(pl.col("k3_mismatch").mean()).sort("staleness")["k3_mismatch"].to_list()
     assert k3[0] <= (2 * rounding_tol(torch.float32, *logit_scale)) ** 2 / 2 and k3[0] < k3[1] < k3[2] < k3[3], k3
-    pool = online_pool.run(cfg, {"policy": base_manifest})      # cache hit: the same round-0 pool
-    assert pool.cache_hit and pool.summary["groups_kept"] == 24
+    pool = Store().load("online_pool", dag.expected_key("online_pool", cfg))      # round 0's
+    assert pool.summary["groups_kept"] == 24
     drawn = pl.read_parquet(pool.path("draws"))
     assert drawn.height == pool.summary["prompts_drawn"] and drawn["kept"].sum() == 24
     assert pool.summary["responses_generated"] == 8 * drawn.height
-
-
-KILL = ["train.updates_per_step=6", "train.updates=12", "train.method=grpo_tis", "train.checkpoint_every=1"]
-
-
-def test_sigkill_mid_round_then_rerun_equals_uninterrupted(tmp_path, base_manifest):
-    cfg = load_config("smoke-online", KILL)
-    (r0,) = run_rounds(cfg, base_manifest, 1)
-    c1 = cfg.updated({"online.round": 1})
-    online_pool.run(c1, {"policy": r0})
-    argv = [str(BIN / "ggpo"), "stage", "online_train", "--preset", "smoke-online", "--no-track",
-            "--set", "online.round=1"] + [x for item in KILL for x in ("--set", item)]
-    folder = Store().folder("online_train", dag.expected_key("online_train", c1))
-    sigkill_after_checkpoint(argv, folder / "checkpoints", 9, 12)    # after the snapshot at 9 (eval_every 3)
-    assert not (folder / MANIFEST).exists()
-    resumed = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr
-    assert "resuming after update" in resumed.stderr
-    done = Store().load("online_train", dag.expected_key("online_train", c1))
-    straight = run_rounds(cfg, base_manifest, 2, Store(tmp_path / "straight"))[-1]
-    wa, wb = load_file(straight.path("weights")), load_file(done.path("weights"))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert pl.read_parquet(done.path("metrics")).drop("seconds").equals(
-        pl.read_parquet(straight.path("metrics")).drop("seconds"))
-    assert not (folder / "checkpoints").exists()      # the round's end is model/ + state.pt
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -148,8 +127,9 @@ def test_ggpo_stage_names_the_missing_round():
                           "--set", "online.round=7", "--set", "seed=99"], cwd=REPO, capture_output=True, text=True,
                          timeout=300, env=os.environ)
     assert res.returncode == 2
-    assert "online_pool --preset smoke-online --set online.round=7" in res.stderr
-    assert "online_train --preset smoke-online --set online.round=6" in res.stderr
+    assert "input 'pool' from stage 'online_pool' (round 7 of an online cell)" in res.stderr
+    assert "input 'state' from stage 'online_train' (round 6 of an online cell)" in res.stderr
+    assert "`ggpo stage online --preset smoke-online`" in res.stderr and "ggpo run online" in res.stderr
 
 
 def test_report_tables_against_n_and_t_ref(tmp_path):
@@ -189,8 +169,8 @@ def test_flow_with_parallel_builds_equals_sequential_rounds(tmp_path, base_manif
     assert res.returncode == 0, res.stderr[-4000:]
     for method in ("grpo", "ggpo"):
         cfg = load_config("smoke-online", sets + [f"train.method={method}"])
-        alone = run_rounds(cfg, base_manifest, 4, Store(tmp_path / method))[-1]
-        in_flow = Store().load("online_train", alone.key)
+        run_cell(cfg, base_manifest, Store(tmp_path / method))
+        alone, in_flow = final_policy(cfg, Store(tmp_path / method)), final_policy(cfg)
         assert in_flow is not None and in_flow.files["weights"].sha256 == alone.files["weights"].sha256, method
     # `ggpo report` reads the same cache and prints the flow's tables
     rep = subprocess.run([str(BIN / "ggpo"), "report", "--preset", "smoke-online"] + [x for s in sets for x in ("--set", s)],

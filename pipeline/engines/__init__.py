@@ -27,11 +27,22 @@ def check_vllm() -> None:
                           "use rollout.engine=transformers on this machine")
 
 
-def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto"):
+def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto", resident: bool = False):
     """Checks before any work (vLLM importable, CUDA present, enough GPUs), then the engine.
-    dtype: rollout.dtype; "auto" = bfloat16 (vLLM's usual serving precision)."""
+    dtype: rollout.dtype; "auto" = bfloat16 (vLLM's usual serving precision). Its memory:
+    rollout.gpu_memory_utilization, lowered to what is free after the trainer's cache is
+    released (vLLM refuses to start when less than that share is free: a training stage
+    earlier in the process, or the resident learner of an online cell)."""
     check_vllm()
     import torch
+
+    from pipeline.runtime import free_device_fraction
+    requested = getattr(rollout_cfg, "gpu_memory_utilization", 0.85)
+    share = min(requested, free_device_fraction() - 0.02)
+    if share < 0.1:
+        raise ConfigError(f"rollout.gpu_memory_utilization={requested} but only {share + 0.02:.0%} of the GPU is "
+                          "free after the trainer's cache was released: give the sampler its own GPU, or keep "
+                          "the reference on the CPU (train.reference_device=cpu)")
     tp = getattr(rollout_cfg, "tensor_parallel_size", 1)
     gpus = ve.visible_gpus(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
@@ -42,23 +53,24 @@ def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto"):
         raise ConfigError(f"rollout.data_parallel={dp} x rollout.tensor_parallel_size={tp} needs {dp * tp} GPUs, "
                           f"{len(gpus)} visible; lower them or set rollout.data_parallel=auto")
     return ve.VLLMEngine(model_path, tensor_parallel_size=tp, data_parallel=dp, gpu_ids=gpus, seed=seed,
-                         gpu_memory_utilization=getattr(rollout_cfg, "gpu_memory_utilization", 0.85),
-                         dtype="bfloat16" if dtype == "auto" else dtype)
+                         gpu_memory_utilization=share, dtype="bfloat16" if dtype == "auto" else dtype,
+                         resident=resident)
 
 
 def make_engine(kind: str, model_path: str, batch_prompts: int = 64, threads: int = 1,
                 rollout_cfg=None, device: str | None = None, seed: int = 0,
-                dtype: str | None = None) -> Engine:
+                dtype: str | None = None, resident: bool = False) -> Engine:
     """An engine over the HF folder `model_path`. `rollout_cfg` (a RolloutConfig) carries the
     vLLM settings (data_parallel, tensor_parallel_size, gpu_memory_utilization; defaults:
     one engine on one GPU) and the weights' precision `rollout.dtype`; `dtype`, when given,
     overrides it (e.g. "auto" for an engine that should not copy the sampler's precision);
-    `device` goes to the transformers engine when given."""
+    `device` goes to the transformers engine when given. `resident`: an online cell's sampler,
+    whose weights are synced in place (load_weights) and which sleeps between rounds."""
     dtype = dtype or getattr(rollout_cfg, "dtype", "auto")
     if kind == "transformers":
         from pipeline.engines.hf import TransformersEngine
         extra = {} if device is None else {"device": device}
         return TransformersEngine(model_path, batch_prompts=batch_prompts, threads=threads, dtype=dtype, **extra)
     if kind == "vllm":
-        return _vllm_engine(model_path, rollout_cfg, seed, dtype)   # GPU only, imported lazily
+        return _vllm_engine(model_path, rollout_cfg, seed, dtype, resident)   # GPU only
     raise ValueError(f"unknown engine '{kind}'; known: transformers, vllm")

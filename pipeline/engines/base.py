@@ -18,7 +18,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:       # annotations only: this module stays importable without torch
+    import torch
 
 LOGPROBS_MODE = "temperature_scaled_before_top_p"
 
@@ -48,6 +51,35 @@ class Engine(Protocol):
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
         """params.n completions for each prompt, in prompt order."""
         ...
+
+    def load_weights(self, named: list[tuple[str, "torch.Tensor"]]) -> None:
+        """Replace the sampler's weights in place with the learner's (HF parameter names;
+        the sync of Algorithm 1 line 3); WeightSyncError on names or shapes it does not have."""
+        ...
+
+    def sleep(self) -> None:
+        """Hand the device memory the sampler holds back to the learner (no-op where none)."""
+        ...
+
+    def wake(self) -> None:
+        """Take it again before the next load_weights / generate."""
+        ...
+
+
+def check_weights(named: list[tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]], who: str) -> None:
+    """The learner's (name, shape) pairs must be exactly the sampler's parameters: a
+    WeightSyncError (one line) names what is missing, unexpected or of another shape."""
+    from pipeline.errors import WeightSyncError
+    got = dict(named)
+    missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    wrong = sorted(n for n in set(got) & set(expected) if tuple(got[n]) != tuple(expected[n]))
+    if missing or unexpected or wrong:
+        parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+                 f"{len(unexpected)} it does not have (e.g. {unexpected[0]})" if unexpected else "",
+                 f"{len(wrong)} of another shape (e.g. {wrong[0]}: {tuple(got[wrong[0]])} for "
+                 f"{tuple(expected[wrong[0]])})" if wrong else ""]
+        raise WeightSyncError(f"the {who} sampler refused the learner's weights: "
+                              + "; ".join(p for p in parts if p) + " (is the policy the sampler's model?)")
 
 
 def stop_token_ids(model_path: str, tokenizer) -> list[int]:

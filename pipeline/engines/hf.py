@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from pipeline import interrupt
-from pipeline.engines.base import LOGPROBS_MODE, Completion, SamplingParams, stop_token_ids
+from pipeline.engines.base import LOGPROBS_MODE, Completion, SamplingParams, check_weights, stop_token_ids
 from pipeline.hf import load_model, load_tokenizer
 from pipeline.runtime import resolve_device
 
@@ -73,6 +73,23 @@ class TransformersEngine:
             if progress is not None:
                 progress(len(batch))
         return out
+
+    @torch.no_grad()
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """The learner's parameters copied into the engine's model in place, cast to the
+        engine's dtype (buffers such as the rotary frequencies are the model's own)."""
+        params = dict(self.model.named_parameters())
+        check_weights([(n, tuple(t.shape)) for n, t in named], {n: tuple(p.shape) for n, p in params.items()},
+                      "transformers")
+        for name, tensor in named:
+            params[name].data.copy_(tensor.detach())
+
+    def sleep(self) -> None:
+        """Nothing to hand back: the engine's copy of the weights is small next to the
+        learner's and stays (torch.cuda.empty_cache by the caller frees the rest)."""
+
+    def wake(self) -> None:
+        pass
 
     @torch.no_grad()
     def _sample(self, prompts: list[str], params: SamplingParams, gen: torch.Generator) -> list[Completion]:

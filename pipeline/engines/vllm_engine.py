@@ -37,7 +37,7 @@ import os
 import multiprocessing.util
 import traceback
 
-from pipeline.engines.base import Completion, SamplingParams, stop_token_ids
+from pipeline.engines.base import Completion, SamplingParams, check_weights, stop_token_ids
 
 # No torch / transformers / vllm at module level: a spawned shard process imports this
 # module first and should reach vLLM's own import (and its CUDA setup) quickly.
@@ -184,6 +184,42 @@ def generate_on(llm, tokenizer, prompt_ids: list[list[int]], params: SamplingPar
     return result
 
 
+def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """{HF parameter name: shape} of a model folder's safetensors files (headers only)."""
+    import json
+    from pathlib import Path
+    out = {}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        out |= {k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    return out
+
+
+def ipc_update_info(named: list, handle=None) -> tuple[dict, list]:
+    """vLLM's IPCWeightTransferUpdateInfo, unpacked, as vLLM's own trainer side builds it
+    (vllm/distributed/weight_transfer/ipc_engine.py, IPCTrainerWeightTransferEngine): per
+    tensor its name, dtype name, shape and {GPU uuid: rebuild_cuda_tensor args} (the worker
+    puts its own device index into the args). Also the contiguous tensors the handles point
+    at: the caller keeps them alive until finish_weight_update. `handle(tensor)`: the IPC
+    args (default torch's reduce_tensor; a test passes its own)."""
+    import torch
+    if handle is None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        def handle(t):
+            return reduce_tensor(t)[1]
+    refs = [t.detach().contiguous() for _, t in named]
+    uuid = {}
+
+    def gpu(t):
+        if t.device not in uuid:
+            uuid[t.device] = str(torch.cuda.get_device_properties(t.device).uuid) if t.is_cuda else str(t.device)
+        return uuid[t.device]
+    return {"names": [n for n, _ in named], "dtype_names": [str(t.dtype).split(".")[-1] for t in refs],
+            "shapes": [list(t.shape) for t in refs], "ipc_handles": [{gpu(t): handle(t)} for t in refs]}, refs
+
+
 def build_llm(model_path: str, engine_kwargs: dict):
     """engine_kwargs carries `dtype` (rollout.dtype: bfloat16 unless float32 is asked for)."""
     from vllm import LLM
@@ -207,6 +243,10 @@ def _shard_main(shard: int, devices: str, model_path: str, engine_kwargs: dict, 
                 return
             if job is None:
                 return
+            if job[0] == "reload":          # a sync (VLLMEngine._reload_shards)
+                llm.collective_rpc("reload_weights", kwargs={"weights_path": job[1]})
+                conn.send(("ok", None))
+                continue
             prompt_ids, params, offset, stop_ids = job
             conn.send(("ok", generate_on(llm, tokenizer, prompt_ids, params, offset, stop_ids)))
     except BaseException:
@@ -235,7 +275,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85,
                  data_parallel: int = 1, gpu_ids: list[str] | None = None, seed: int = 0,
-                 dtype: str = "bfloat16"):
+                 dtype: str = "bfloat16", resident: bool = False):
         from pipeline.hf import load_tokenizer
         from pipeline.seeding import derive_seed
         self.model_path = model_path
@@ -251,7 +291,12 @@ class VLLMEngine:
             raise ValueError(f"rollout.dtype '{dtype}' is not supported by the vLLM engine; use bfloat16 or float32")
         self.engine_kwargs = {"tensor_parallel_size": self.tp, "gpu_memory_utilization": gpu_memory_utilization,
                               "seed": derive_seed(seed, "vllm/engine") % 2**31, "dtype": dtype}
-        self.llm, self._workers = None, []
+        if resident:    # an online cell's sampler: weights synced in place, memory lent back between rounds
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # IPC handles carry torch types
+            self.engine_kwargs |= {"enable_sleep_mode": True, "weight_transfer_config": {"backend": "ipc"}}
+        self.expected = checkpoint_shapes(model_path)      # the names and shapes a sync must send
+        self.llm, self._workers, self._transfer, self._asleep = None, [], False, False
+        self.ipc_handle = None      # ipc_update_info's default (torch's reduce_tensor)
         if self.dp == 1:        # one shard: the engine lives in this process
             self.llm = build_llm(model_path, self.engine_kwargs)
         else:
@@ -266,6 +311,56 @@ class VLLMEngine:
         if not self._workers:
             raise RuntimeError("this VLLMEngine was closed")
         return self._generate_sharded(ids, params)
+
+    def load_weights(self, named: list) -> None:
+        """The learner's weights into the engine in place (HF names; vLLM's model.load_weights
+        maps them to its fused layers). One engine in this process: vLLM's weight-transfer
+        API over CUDA IPC (vllm/distributed/weight_transfer/ipc_engine.py): the whole state
+        in one start/update/finish session (a layer left half-sent would be uninitialised),
+        the learner's tensors shared, not copied, then the prefix cache reset (its KV came
+        from the old weights). Engines in shard processes (data_parallel > 1, other GPUs):
+        the weights are written once to a folder each shard reloads (reload_weights)."""
+        check_weights([(n, tuple(t.shape)) for n, t in named], self.expected, "vLLM")
+        if self.llm is None:
+            return self._reload_shards(named)
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])
+        if not self._transfer:
+            self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+            self._transfer = True
+        info, refs = ipc_update_info(named, self.ipc_handle)
+        self.llm.start_weight_update()
+        self.llm.update_weights({"update_info": info})
+        self.llm.finish_weight_update()
+        del refs            # the worker has copied them into its own parameters
+        self.llm.reset_prefix_cache()
+        if self._asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._asleep = False
+        import torch
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()        # the learner may free its tensors' memory now
+
+    def _reload_shards(self, named: list) -> None:
+        import tempfile
+
+        from safetensors.torch import save_file
+        with tempfile.TemporaryDirectory(prefix="ggpo-sync-") as tmp:
+            save_file({n: t.detach().to("cpu").contiguous() for n, t in named}, f"{tmp}/model.safetensors")
+            for k, (_, conn, _) in enumerate(self._workers):
+                conn.send(("reload", tmp))
+            for k in range(len(self._workers)):
+                self._receive(k)
+
+    def sleep(self) -> None:
+        """Level 2 (vllm/entrypoints/llm.py): weights and KV cache dropped; the next
+        load_weights brings the weights back, then the KV cache. Shards keep theirs."""
+        if self.llm is not None and "enable_sleep_mode" in self.engine_kwargs and not self._asleep:
+            self.llm.sleep(level=2)
+            self._asleep = True
+
+    def wake(self) -> None:
+        """Nothing until the weights arrive: load_weights wakes the engine in the right order."""
 
     def close(self) -> None:
         """Frees the GPUs: stops the shard processes, or drops the in-process engine."""

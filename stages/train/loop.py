@@ -264,7 +264,7 @@ def _step_groups(u: int, tc: TrainConfig, n_groups: int, seed: int) -> list[int]
 
 
 def one_update(st: TrainState, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_id: int,
-               rt: Runtime, ckpt_dir: Path) -> dict:
+               rt: Runtime, ckpt_dir: Path | None) -> dict:
     """Update st.update + 1 on `groups`: forward/backward, finiteness check (a bad update is
     never applied), optimizer step, reference refresh, ESS block; returns its metrics row."""
     tc, u, t0 = cfg.train, st.update, time.perf_counter()
@@ -273,7 +273,8 @@ def one_update(st: TrainState, pool: Pool, groups: list[int], cfg: PipelineConfi
                      st.ref_cache)
     if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
         raise TrainingError(f"update {u + 1} (method {tc.method}): non-finite loss {row['loss']} or grad norm "
-                            f"{row['grad_norm']}; the last good checkpoint is kept in {ckpt_dir}")
+                            f"{row['grad_norm']}; the last good checkpoint is kept "
+                            f"{f'in {ckpt_dir}' if ckpt_dir else 'at the last round boundary'}")
     st.opt.step()
     st.opt.zero_grad(set_to_none=True)
     refresh = t_ref is not None and (u + 1) % t_ref == 0   # spec 7: refresh after update u
@@ -289,15 +290,17 @@ def one_update(st: TrainState, pool: Pool, groups: list[int], cfg: PipelineConfi
                   "ref_refreshed": refresh}
 
 
-def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, folder: Path, stop: int,
-                groups_of, step_groups_of, rt: Runtime, desc: str, last_checkpoint: bool = True) -> TrainState:
+def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, folder: Path | None, stop: int,
+                groups_of, step_groups_of, rt: Runtime, desc: str, after_update=None) -> TrainState:
     """Updates st.update .. stop-1. groups_of(u): update u's pool positions; step_groups_of(u):
     every group of the step starting at u (the step anchor's groups, at u % N == 0).
-    Snapshots after the updates in train.snapshot_updates (before the checkpoint, so a resume
-    never skips one); a checkpoint every train.checkpoint_every updates and after the last
-    (unless not last_checkpoint: the caller saves the end state itself)."""
-    tc, pad_id, ckpt_dir = cfg.train, tokenizer.pad_token_id, folder / "checkpoints"
-    snapshots = set(tc.snapshot_updates())
+    With a folder (the offline train stage): snapshots after the updates in
+    train.snapshot_updates (before the checkpoint, so a resume never skips one), a checkpoint
+    every train.checkpoint_every updates, after the last, and when interrupted. Without one
+    (an online cell, which checkpoints at round boundaries): `after_update(u)` after each."""
+    tc, pad_id = cfg.train, tokenizer.pad_token_id
+    ckpt_dir = folder / "checkpoints" if folder is not None else None
+    snapshots = set(tc.snapshot_updates()) if folder is not None else set()
     check_token_ids(pool, st.model.config.vocab_size)
     st.ref_cache = ReferenceCache(enabled=tc.reference_cache)    # a pool's groups: a cache of their own
     st.model.train()
@@ -313,13 +316,16 @@ def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, fold
             except interrupt.Interrupted:
                 # the state after the last complete update: a rerun resumes exactly there
                 st.opt.zero_grad(set_to_none=True)
-                save_checkpoint(st, ckpt_dir, tc)
+                if ckpt_dir is not None:
+                    save_checkpoint(st, ckpt_dir, tc)
                 raise interrupt.stopped(f"{desc} at update {st.update}") from None
             st.rows.append(row)
             if u + 1 in snapshots and u + 1 < stop:
                 save_policy(st.model, tokenizer, snapshot_dir(folder, u + 1))
-            if (u + 1 < stop and (u + 1) % tc.checkpoint_every == 0) or (u + 1 == stop and last_checkpoint):
+            if ckpt_dir is not None and ((u + 1) % tc.checkpoint_every == 0 or u + 1 == stop):
                 save_checkpoint(st, ckpt_dir, tc)
+            if after_update is not None:
+                after_update(u + 1)
             bar.update(1, loss=f"{row['loss']:.4f}", reward=f"{row['reward']:.3f}",
                        tok_s=f"{row['tokens'] / row['seconds']:.0f}")
     return st

@@ -32,12 +32,12 @@ from stages.train.distributed import init
 from stages.train.loop import load_pool, train
 
 
-def torchrun_argv(tc, rank_args: list[str]) -> list[str]:
-    """The torchrun command for train.nproc / nnodes / rdzv_endpoint."""
+def torchrun_argv(tc, rank_args: list[str], module: str = "stages.train.torchrun") -> list[str]:
+    """The torchrun command for train.nproc / nnodes / rdzv_endpoint; every rank runs `module`."""
     endpoint = tc.rdzv_endpoint if tc.nnodes > 1 else f"127.0.0.1:{free_port()}"
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tc.nproc),
             "--nnodes", str(tc.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-            "--max-restarts", "0", "-m", "stages.train.torchrun", *rank_args]
+            "--max-restarts", "0", "-m", module, *rank_args]
 
 
 def launch(cfg, base_path: str, pool_path: Path, folder: Path) -> list[dict]:
@@ -53,7 +53,7 @@ def launch(cfg, base_path: str, pool_path: Path, folder: Path) -> list[dict]:
         proc = subprocess.run(argv, cwd=Path(__file__).resolve().parents[2], env=env,
                               stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        last = _last_error(proc.stderr)
+        last = last_error(proc.stderr)
         sys.stderr.write(proc.stderr[-4000:])
         raise TrainingError(f"train: torchrun ({tc.nproc} x {tc.nnodes} ranks) exited {proc.returncode}"
                             f"{': ' + last if last else ''}; checkpoints kept in {folder / 'checkpoints'}, "
@@ -64,7 +64,7 @@ def launch(cfg, base_path: str, pool_path: Path, folder: Path) -> list[dict]:
     return state["metrics"]
 
 
-def _last_error(stderr: str) -> str:
+def last_error(stderr: str) -> str:
     """The most telling line of a failed torchrun: a rank's exception ("[rank0]: XError: ..."),
     else any exception line, else its exit code."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]

@@ -1,0 +1,376 @@
+"""Stage `online`: one online cell (method x seed x grid point) resident in one process.
+
+The paper's Algorithm 1 at scale keeps the learner and the sampler in memory for the whole
+run: per round, a model save, a model load and a sampler start (tens of seconds to
+minutes at Qwen scale, and ~24 GB of weights and AdamW state on disk) would cost more than
+the updates. A cell holds the learner (policy, AdamW, reference and its refresh counter,
+update index, ESS block: stages/train/loop.TrainState) and one sampler engine, built once:
+
+    learner <- pi_0 (or the cell's latest rolling checkpoint)
+    for each round r after it:
+        pool_r <- the cached pool of round r, or: engine.load_weights(learner)   (the sync)
+                                                  sample, grade, refill          (online_pool)
+        N updates of the learner on pool_r                                       (online_train)
+        record round r (pool and metrics: content-addressed artifacts keyed by the chain)
+        policies at evaluation points (online_policy); a checkpoint every
+        online.checkpoint_every rounds and at the end (the last 2 are kept)
+
+Replay is resume: a killed cell restarts from its latest checkpoint and trains on the
+cached pools of the rounds after it without sampling them again (the pools are the log),
+to the same weights on CPU. A longer run (more train.updates) continues the same chain:
+round keys do not depend on train.updates, so finished rounds are cache hits and the
+final checkpoint of the shorter run is where it starts. Memory: the trainer's cached
+blocks go back to the device before the sampler runs, and a vLLM sampler sleeps between
+rounds (runtime.release_device_memory, engine.sleep).
+
+On disk per cell: the rounds' pools and metrics, the evaluation policies, and
+`<cache>/online_cell-<key16>/checkpoints/round-NNNNNN/` (latest.pt or DCP shards, and
+cell.json written last: the round it closes and that round's key).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from pipeline import dag, interrupt
+from pipeline.config import PipelineConfig
+from pipeline.engines import make_engine
+from pipeline.errors import TrainingError
+from pipeline.hf import load_tokenizer
+from pipeline.runtime import Runtime, make_runtime, release_device_memory
+from pipeline.stage import run_stage
+from pipeline.store import Manifest, Store, model_path, write_text_atomic
+from stages import online_policy, online_pool, online_train
+from stages.train import checkpoint, distributed
+from stages.train.loop import TrainState, new_state, reference_refreshed, resume, save_policy
+from stages.train.torchrun import last_error, torchrun_argv
+
+log = logging.getLogger("ggpo")
+STATE = "online_cell"       # the state folder's name: <cache root>/online_cell-<key16>/
+META = "cell.json"          # written last in a checkpoint folder: it is complete
+KEEP = 2                    # rolling checkpoints kept
+
+
+@dataclass
+class Cell:
+    """What a cell run knows: its config, store, base model and chain of round keys."""
+    cfg: PipelineConfig
+    store: Store
+    base: Manifest
+    chain: list[dict[str, str]]
+    folder: Path
+    rt: Runtime
+    tokenizer: object
+    engine: object = None
+    counts: dict = field(default_factory=lambda: {"engine_starts": 0, "rounds_sampled": 0, "rounds_replayed": 0,
+                                                  "rounds_skipped": 0, "checkpoints_written": 0})
+
+    @property
+    def main(self) -> bool:        # the rank that samples and records (one process: always)
+        d = distributed.current()
+        return d is None or d.is_main
+
+
+def state_folder(store: Store, cfg: PipelineConfig) -> Path:
+    return store.root / f"{STATE}-{dag.cell_key(cfg)[:16]}"
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def checkpoints(folder: Path) -> list[tuple[int, Path, dict]]:
+    """The complete rolling checkpoints (round, folder, meta), oldest first."""
+    out = []
+    for path in sorted((folder / "checkpoints").glob("round-*")):
+        if (path / META).exists():
+            meta = json.loads((path / META).read_text())
+            out.append((meta["round"], path, meta))
+    return out
+
+
+def latest_checkpoint(cell: Cell, before: int | None = None) -> tuple[int, Path] | None:
+    """The furthest checkpoint inside this run's rounds (a longer earlier run may have more)
+    and before round `before`; one written for another chain is refused with one line."""
+    limit = len(cell.chain) if before is None else min(before, len(cell.chain))
+    for r, path, meta in reversed(checkpoints(cell.folder)):
+        if r >= limit:
+            continue
+        if meta["round_key"] != cell.chain[r]["online_train"]:
+            raise TrainingError(f"online cell checkpoint {path} closes round {r} of another chain (round key "
+                                f"{meta['round_key'][:16]}, this config's is {cell.chain[r]['online_train'][:16]}): it was "
+                                f"written by another config; delete {cell.folder} to start this cell over")
+        return r, path
+    return None
+
+
+def first_missing_policy(cell: Cell) -> int | None:
+    """The round of the earliest evaluation point whose policy is not in the cache (an earlier
+    run of this chain had another train.eval_every): the cell must pass through it again."""
+    missing = [r for at, r in sorted(evaluation_points(cell).items()) if not has_policy(cell, at)]
+    return missing[0] if missing else None
+
+
+def has_policy(cell: Cell, at: int) -> bool:
+    """Whether the policy after update `at` is cached (sizes checked, not hashes: the
+    evaluation that reads it checks those)."""
+    found, problems = cell.store.inspect("online_policy", dag.expected_key(
+        "online_policy", cell.cfg.updated({"eval.update": at})), hashes=False)
+    return found is not None and not problems
+
+
+def save_cell_checkpoint(cell: Cell, r: int, st: TrainState) -> None:
+    """The learner after round r, atomically (temp folder, meta last, rename); the oldest of
+    more than KEEP removed. Collective under torchrun (DCP shards: checkpoint.save)."""
+    final, t0 = cell.folder / "checkpoints" / f"round-{r:06d}", time.perf_counter()
+    tmp = final.with_name(final.name + ".tmp")
+    if cell.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    checkpoint.save(tmp, update=st.update, model=st.model, optimizer=st.opt,
+                    reference=st.reference if reference_refreshed(cell.cfg.train, st.update) else None,
+                    metrics=[], lp_old=None, block_s=st.block_s)
+    if cell.main:
+        write_text_atomic(tmp / META, json.dumps({"round": r, "round_key": cell.chain[r]["online_train"],
+                                                  "update": st.update}))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for _, old, _ in checkpoints(cell.folder)[:-KEEP]:
+            shutil.rmtree(old, ignore_errors=True)
+    cell.counts["checkpoints_written"] += 1
+    barrier()
+    cell.counts["checkpoint_seconds"] = round(cell.counts.get("checkpoint_seconds", 0.0) + time.perf_counter() - t0, 4)
+
+
+# --------------------------------------------------------------------------- one round
+
+def round_manifest(cell: Cell, stage: str, r: int) -> Manifest | None:
+    """Round r's cached artifact of `stage` (marked a cache hit), or None."""
+    found = cell.store.load(stage, cell.chain[r][stage]) if r >= 0 else None
+    return found.model_copy(update={"cache_hit": True}) if found is not None else None
+
+
+def barrier() -> None:
+    d = distributed.current()
+    if d is not None:
+        d.barrier()
+
+
+def learner_weights(st: TrainState) -> list[tuple[str, object]]:
+    """The learner's parameters under their HF names, full tensors (a collective under
+    torchrun: every rank gathers, rank 0 sends)."""
+    if not distributed.is_sharded(st.model):
+        return list(st.model.named_parameters())
+    names = [n for n, _ in st.model.named_parameters()]      # tied weights once, as the checkpoint has them
+    full = distributed.policy_state(st.model)
+    return [(n, full[n]) for n in names]
+
+
+def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy: Manifest) -> Manifest:
+    """Round r's pool: the cached one (replayed, never sampled twice), or sampled now by the
+    engine synced to the learner (Algorithm 1 line 3). Under torchrun rank 0 samples and
+    commits it, the others read it."""
+    pool = round_manifest(cell, "online_pool", r)
+    barrier()       # every rank has looked before rank 0 may write it
+    if pool is not None:
+        cell.counts["rounds_replayed"] += 1
+        return pool
+    weights = learner_weights(st)
+    if cell.main:
+        pool = sync_and_sample(cell, weights, cfg_r, policy)
+    del weights
+    barrier()
+    return pool or round_manifest(cell, "online_pool", r)
+
+
+def sync_and_sample(cell: Cell, weights: list, cfg_r: PipelineConfig, policy: Manifest) -> Manifest:
+    """The engine (built once per cell, on its first round that samples) synced to `weights`,
+    then the round's pool."""
+    if cell.engine is None:
+        rc = cfg_r.rollout
+        release_device_memory()
+        cell.engine = make_engine(rc.engine, model_path(cell.base), rc.batch_prompts, cfg_r.model.threads,
+                                  rollout_cfg=rc, device=cfg_r.train.device, seed=cfg_r.seed, resident=True)
+        cell.counts["engine_starts"] += 1
+    release_device_memory()        # the trainer's cached blocks back before the sampler runs
+    cell.engine.wake()
+    t0 = time.perf_counter()
+    cell.engine.load_weights(weights)
+    cell.counts["sync_seconds"] = round(cell.counts.get("sync_seconds", 0.0) + time.perf_counter() - t0, 4)
+    spec = replace(online_pool.SPEC, build=partial(online_pool.sample_round, engine=cell.engine))
+    pool = run_stage(spec, cfg_r, {"policy": policy}, cell.store)
+    cell.engine.sleep()
+    cell.counts["rounds_sampled"] += 1
+    return pool
+
+
+def evaluation_points(cell: Cell) -> dict[int, int]:
+    """{update: round} of the policies the run keeps (train.eval_every and the end)."""
+    return {at: r for r, _, at in cell.cfg.train.online_eval_points()}
+
+
+def pending(cell: Cell, at: int) -> Path:
+    return cell.folder / "pending" / f"update_{at:06d}"
+
+
+def keep_policies(cell: Cell, r: int, trained: Manifest) -> None:
+    """Round r's evaluation points: each policy saved after its update (pending/), now
+    committed as an online_policy artifact (rank 0)."""
+    for at in sorted(u for u, rr in evaluation_points(cell).items() if rr == r):
+        if cell.main and pending(cell, at).exists():
+            spec = replace(online_policy.SPEC, build=partial(online_policy.adopt, saved=pending(cell, at)))
+            run_stage(spec, cell.cfg.updated({"eval.update": at}), {"round": trained}, cell.store)
+    barrier()
+
+
+def record_round(cell: Cell, cfg_r: PipelineConfig, inputs: dict[str, Manifest], rows: list[dict]) -> Manifest:
+    """The round's record (rank 0 writes it; under torchrun the others read it), checked
+    against a cached record when the round was replayed."""
+    r = cfg_r.online.round
+    if cell.main:
+        spec = replace(online_train.SPEC, build=partial(online_train.record, rows=rows))
+        trained = run_stage(spec, cfg_r, inputs, cell.store)
+        if trained.cache_hit and trained.summary["final_loss"] != rows[-1]["loss"]:
+            log.warning("online round %d replayed to a final loss of %r, its record says %r (bit-exact only on "
+                        "the CPU)", r, rows[-1]["loss"], trained.summary["final_loss"])
+    barrier()
+    return trained if cell.main else round_manifest(cell, "online_train", r)
+
+
+def one_round(cell: Cell, st: TrainState, r: int, prev: Manifest | None) -> tuple[Manifest, Manifest]:
+    """Round r: its pool (cached, or sampled now), the N updates, its record, its policies."""
+    cfg_r = cell.cfg.updated({"online.round": r})
+    pool = round_pool(cell, st, cfg_r, r, prev or cell.base)
+    inputs = {"base": cell.base, "pool": pool} | ({"state": prev} if prev else {})
+    points = evaluation_points(cell)
+
+    def after_update(u: int) -> None:      # the policy at an evaluation point, saved now (collective)
+        if u in points and not has_policy(cell, u):
+            save_policy(st.model, cell.tokenizer, pending(cell, u))
+    rows = online_train.train_round(st, cfg_r, inputs, cell.tokenizer, cell.rt, after_update)
+    trained = record_round(cell, cfg_r, inputs, rows)
+    keep_policies(cell, r, trained)
+    return pool, trained
+
+
+# --------------------------------------------------------------------------- the cell
+
+def start(cell: Cell) -> tuple[TrainState, int, Manifest | None]:
+    """The learner at the latest checkpoint (or pi_0), the first round to run, the record of
+    the round before it."""
+    base = model_path(cell.base)
+    st = new_state(cell.cfg, base, base, cell.rt)
+    found = latest_checkpoint(cell, before=first_missing_policy(cell))
+    if found is None:
+        return st, 0, None
+    r, path = found
+    prev = round_manifest(cell, "online_train", r)
+    if prev is None:
+        raise TrainingError(f"online cell checkpoint {path} closes round {r}, whose record (online_train "
+                            f"{cell.chain[r]['online_train'][:16]}) is not in the cache: the chain is missing a round; "
+                            f"delete {cell.folder} to start this cell over")
+    resume(st, checkpoint.load(path), path)
+    cell.counts["rounds_skipped"] = r + 1
+    return st, r + 1, prev
+
+
+def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -> dict:
+    """Every round of the cell `cfg` (train.updates // N of them); the cell's counts.
+    on_round(r, pool, trained) after each round (the flow logs it to MLflow and Prefect).
+    train.nproc / nnodes > 1: the cell runs under torchrun (launch)."""
+    if distributed.wanted(cfg.train) and distributed.current() is None:
+        return launch(cfg, store, base, on_round)
+    tc = cfg.train
+    rounds = tc.updates // tc.updates_per_step
+    cell = Cell(cfg, store, base, [dag.online_keys(cfg, r) for r in range(rounds)], state_folder(store, cfg),
+                make_runtime(tc), load_tokenizer(model_path(base)))
+    t0 = time.perf_counter()
+    st, first, prev = start(cell)
+    every = cfg.online.checkpoint_rounds(tc)
+    for r in range(first if on_round is not None and cell.main else 0):     # finished before: shown as cached
+        on_round(r, round_manifest(cell, "online_pool", r), round_manifest(cell, "online_train", r))
+    try:
+        for r in range(first, rounds):
+            pool, prev = one_round(cell, st, r, prev)
+            if (r + 1) % every == 0 or r + 1 == rounds:
+                save_cell_checkpoint(cell, r, st)
+            if on_round is not None and cell.main:
+                on_round(r, pool, prev)
+    except interrupt.Interrupted:
+        raise interrupt.stopped(f"online cell {tc.method} seed {cfg.seed} in round {r} (rerun replays from "
+                                f"round {latest_checkpoint(cell)[0] + 1 if latest_checkpoint(cell) else 0})") from None
+    finally:
+        if cell.engine is not None:
+            getattr(cell.engine, "close", lambda: None)()
+    shutil.rmtree(cell.folder / "pending", ignore_errors=True)
+    log.info("online cell %s seed %d: %d rounds (%d from a checkpoint, %d replayed from cached pools, %d sampled), "
+             "%d engine start(s), %d checkpoint(s) in %.1fs", tc.method, cfg.seed, rounds, cell.counts["rounds_skipped"],
+             cell.counts["rounds_replayed"], cell.counts["rounds_sampled"], cell.counts["engine_starts"],
+             cell.counts["checkpoints_written"], time.perf_counter() - t0)
+    return cell.counts | {"rounds": rounds, "update": st.update, "folder": str(cell.folder),
+                          "final_round": prev.key if prev else None}
+
+
+# --------------------------------------------------------------------------- torchrun
+
+def launch(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -> dict:
+    """The cell under torchrun: every rank runs `main` (the learner FSDP2-sharded over them,
+    for the whole cell); rank 0 also holds the engine, gathers the full weights for each sync,
+    samples and records. A rank failing: one-line TrainingError; a rerun resumes from the
+    cell's last checkpoint. The rounds reach on_round once the ranks are done."""
+    tc = cfg.train
+    with tempfile.TemporaryDirectory(prefix="ggpo-cell-") as tmp:
+        conf, out = Path(tmp) / "config.json", Path(tmp) / "counts.json"
+        conf.write_text(cfg.model_dump_json())
+        argv = torchrun_argv(tc, ["--config", str(conf), "--store", str(store.url or store.root), "--base", base.key,
+                                  "--counts", str(out)], module="stages.online_cell")
+        env = os.environ | {"OMP_NUM_THREADS": str(cfg.model.threads)}
+        proc = subprocess.run(argv, cwd=Path(__file__).resolve().parents[1], env=env, stdout=sys.stderr,
+                              stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stderr[-4000:])
+            last = last_error(proc.stderr)
+            raise TrainingError(f"online cell {tc.method} seed {cfg.seed}: torchrun ({tc.nproc} x {tc.nnodes} ranks) "
+                                f"exited {proc.returncode}{': ' + last if last else ''}; rerun to resume from "
+                                f"its last checkpoint in {state_folder(store, cfg)}")
+        counts = json.loads(out.read_text())
+    for r in range(tc.updates // tc.updates_per_step if on_round is not None else 0):
+        keys = dag.online_keys(cfg, r)
+        on_round(r, store.load("online_pool", keys["online_pool"]), store.load("online_train", keys["online_train"]))
+    return counts
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One rank of a cell under torchrun."""
+    ap = argparse.ArgumentParser(prog="python -m stages.online_cell")
+    for name in ("--config", "--store", "--base", "--counts"):
+        ap.add_argument(name, required=True)
+    args = ap.parse_args(argv)
+    cfg = PipelineConfig.model_validate(json.loads(Path(args.config).read_text()))
+    torch.set_num_threads(cfg.model.threads)
+    d = distributed.init(cfg.train.device)
+    if d.is_main:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    else:
+        os.environ["GGPO_PROGRESS"] = "0"      # one progress display: rank 0's
+    try:
+        store = Store(args.store)
+        counts = run_cell(cfg, store, store.load("base", args.base))
+        if d.is_main:
+            write_text_atomic(Path(args.counts), json.dumps(counts))
+        d.barrier()
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,305 @@
+"""The resident online cell (stages/online_cell.py): one engine per cell, weights synced in
+place (transformers, and vLLM's weight-transfer calls against a recording fake), kill -9 at
+a random moment then rerun, a longer run continuing the chain, heavy bytes that do not grow
+with rounds, two gloo ranks against one process, and one-line errors for bad input."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline import dag
+from pipeline.config import load_config
+from pipeline.engines import SamplingParams
+from pipeline.errors import TrainingError, WeightSyncError
+from pipeline.store import MANIFEST, Store
+from stages.online_cell import run_cell, state_folder
+
+from conftest import BIN, REPO
+
+SMALL = {"train.updates_per_step": 2, "train.method": "grpo_tis", "train.eval_every": None}
+
+
+def cfg_of(**extra):
+    return load_config("smoke-online", SMALL | extra)
+
+
+def store_with_base(root: Path, base) -> Store:
+    """A fresh store that holds the session's base model (copied: no warm-up)."""
+    shutil.copytree(base.folder, root / Path(base.folder).name)
+    return Store(root)
+
+
+def weights(manifest) -> dict[str, torch.Tensor]:
+    return load_file(manifest.path("weights"))
+
+
+def policy(cfg, store: Store, at: int | None = None):
+    c = cfg if at is None else cfg.updated({"eval.update": at})
+    return store.load("online_policy", dag.expected_key("online_policy", c))
+
+
+def heavy_bytes(store: Store) -> dict[str, int]:
+    """Bytes of weights and optimizer state per kind of folder (not base, pools, metrics)."""
+    out: dict[str, int] = {}
+    for path in store.root.rglob("*"):
+        kind = path.relative_to(store.root).parts[0].split("-")[0]
+        if path.is_file() and path.suffix in (".safetensors", ".pt", ".distcp") and kind != "base":
+            out[kind] = out.get(kind, 0) + path.stat().st_size
+    return out
+
+
+# --------------------------------------------------------------------------- engines
+
+def test_transformers_sync_equals_a_fresh_engine_on_the_saved_policy(base_manifest, tmp_path):
+    """The in-place sync (load_weights) samples exactly what an engine built from the
+    learner's saved folder samples: the old per-round reload, without the reload."""
+    from pipeline.engines.hf import TransformersEngine
+    from pipeline.hf import load_model, load_tokenizer
+    from stages.base import model_path
+    from stages.train.loop import save_policy
+    learner = load_model(model_path(base_manifest))
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    save_policy(learner, load_tokenizer(model_path(base_manifest)), tmp_path / "saved")
+    params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_new_tokens=12, seed=5)
+    prompts = ["3 1 2 ->", "9 4 ->", "5 5 1 0 ->"]
+    resident = TransformersEngine(model_path(base_manifest), batch_prompts=8, dtype="bfloat16")
+    before = resident.generate(prompts, params)
+    resident.load_weights(list(learner.named_parameters()))
+    fresh = TransformersEngine(str(tmp_path / "saved"), batch_prompts=8, dtype="bfloat16")
+    assert resident.generate(prompts, params) == fresh.generate(prompts, params) != before
+
+
+def test_a_sampler_that_rejects_the_weights_says_so_in_one_line(base_manifest):
+    from pipeline.engines.hf import TransformersEngine
+    from stages.base import model_path
+    engine = TransformersEngine(model_path(base_manifest), batch_prompts=8)
+    named = [(n, p.detach()) for n, p in engine.model.named_parameters()]
+    renamed = [("module." + named[0][0], named[0][1])] + named[1:]
+    with pytest.raises(WeightSyncError, match=r"1 missing \(e\.g\. .*\); 1 it does not have \(e\.g\. module\.") as e:
+        engine.load_weights(renamed)
+    assert "\n" not in str(e.value)
+    wrong = named[:-1] + [(named[-1][0], named[-1][1][..., :-1])]
+    with pytest.raises(WeightSyncError, match=rf"1 of another shape \(e\.g\. {named[-1][0]}: "):
+        engine.load_weights(wrong)
+
+
+class RecordingLLM:
+    """vLLM's LLM as the resident engine drives it (vllm/entrypoints/rl/offline.py and the
+    worker's ipc_engine.receive_weights): records every call, and loads what arrives into a
+    model of its own after the worker's checks (every name known, one handle per tensor,
+    declared dtype and shape those of the tensor)."""
+
+    def __init__(self, model_path: str, kwargs: dict):
+        from pipeline.hf import load_model
+        assert kwargs["enable_sleep_mode"] is True and kwargs["weight_transfer_config"] == {"backend": "ipc"}
+        assert os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") == "1"
+        self.model = load_model(model_path).to(torch.bfloat16)
+        self.calls, self.received = [], []
+
+    def init_weight_transfer_engine(self, request):
+        self.calls.append(("init_weight_transfer_engine", request))
+
+    def start_weight_update(self):
+        self.calls.append(("start_weight_update",))
+
+    def update_weights(self, request):
+        info = request["update_info"]
+        self.calls.append(("update_weights", len(info["names"])))
+        params = dict(self.model.named_parameters())
+        assert len(info["names"]) == len(info["dtype_names"]) == len(info["shapes"]) == len(info["ipc_handles"])
+        for name, dtype, shape, handle in zip(info["names"], info["dtype_names"], info["shapes"], info["ipc_handles"]):
+            (tensor,) = handle.values()          # {gpu uuid: args}: the test's args are the tensor
+            assert isinstance(shape, list) and list(tensor.shape) == shape == list(params[name].shape), name
+            assert str(tensor.dtype).split(".")[-1] == dtype and tensor.is_contiguous(), name
+            self.received.append((name, dtype, tuple(shape)))
+            params[name].data.copy_(tensor)      # what the model's load_weights does (cast to bf16)
+
+    def finish_weight_update(self):
+        self.calls.append(("finish_weight_update",))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags)))
+
+
+def test_vllm_sync_sends_every_tensor_through_the_weight_transfer_api(base_manifest, monkeypatch):
+    from pipeline.engines import vllm_engine as ve
+    from pipeline.hf import load_model
+    from stages.base import model_path
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    monkeypatch.setattr(ve, "build_llm", lambda path, kwargs: RecordingLLM(path, kwargs))
+    engine = ve.VLLMEngine(model_path(base_manifest), seed=3, resident=True)
+    engine.ipc_handle = lambda t: t           # the fake worker reads the tensor itself
+    llm = engine.llm
+    learner = load_model(model_path(base_manifest))          # fp32, as the trainer holds it
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.mul_(1.01)
+    engine.load_weights(list(learner.named_parameters()))
+    assert [c[0] for c in llm.calls] == ["init_weight_transfer_engine", "start_weight_update", "update_weights",
+                                         "finish_weight_update", "reset_prefix_cache"]
+    assert llm.calls[0][1] == {"init_info": {"packed": False}}
+    expected = ve.checkpoint_shapes(model_path(base_manifest))
+    assert {n: s for n, _, s in llm.received} == expected and {d for _, d, _ in llm.received} == {"float32"}
+    got = dict(llm.model.named_parameters())
+    assert all(torch.equal(got[n], p.detach().to(torch.bfloat16)) for n, p in learner.named_parameters())
+    # between rounds the engine sleeps (level 2: weights and KV dropped); the next sync wakes
+    # the weights, loads, then the KV cache; the transfer engine is set up once
+    llm.calls.clear()
+    engine.sleep()
+    engine.load_weights(list(learner.named_parameters()))
+    assert [c[:2] if c[0] != "update_weights" else c[:1] for c in llm.calls] == [
+        ("sleep", 2), ("wake_up", ("weights",)), ("start_weight_update",), ("update_weights",),
+        ("finish_weight_update",), ("reset_prefix_cache",), ("wake_up", ("kv_cache",))]
+    # a learner of another shape is refused before any call reaches the engine
+    llm.calls.clear()
+    named = list(learner.named_parameters())
+    with pytest.raises(WeightSyncError, match="vLLM sampler refused the learner's weights: 1 missing"):
+        engine.load_weights(named[1:])
+    assert llm.calls == []
+
+
+# --------------------------------------------------------------------------- resume
+
+def test_sigkill_at_a_random_moment_then_rerun_equals_uninterrupted(tmp_path, base_manifest):
+    """`ggpo stage online` killed -9 at a random moment (inside a random round, rounds of N = 2,
+    a checkpoint every 2 rounds, policies at updates 3, 6, 9, 12, 15 and 16), then run again:
+    every kept policy is bit-identical to an uninterrupted run's, the rerun samples only
+    the rounds whose pools the killed run had not committed, and the draw counts match."""
+    sets = {"train.updates": 16, "train.eval_every": 3, "online.checkpoint_every": 2}
+    cfg, rounds = cfg_of(**sets), 8
+    straight = store_with_base(tmp_path / "straight", base_manifest)
+    run_cell(cfg, straight, base_manifest)
+    killed = store_with_base(tmp_path / "killed", base_manifest)
+    seed = int(os.environ.get("GGPO_TEST_SEED", time.time_ns() % 10**6))
+    rng = random.Random(seed)
+    at_round, delay = rng.randint(1, rounds - 2), rng.uniform(0.0, 1.0)
+    print(f"\nGGPO_TEST_SEED={seed}: kill -9 {delay:.2f}s after round {at_round}'s pool is committed")
+    argv = [str(BIN / "ggpo"), "stage", "online", "--preset", "smoke-online", "--no-track"] + [
+        x for k, v in (SMALL | sets).items() for x in ("--set", f"{k}={'null' if v is None else v}")]
+    env = os.environ | {"GGPO_CACHE": str(killed.root)}
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    pool_r = killed.folder("online_pool", dag.online_keys(cfg, at_round)["online_pool"]) / MANIFEST
+    deadline = time.monotonic() + 300
+    while not pool_r.exists():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(delay)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    committed = sum(killed.load("online_pool", dag.online_keys(cfg, r)["online_pool"]) is not None
+                    for r in range(rounds))
+    assert proc.returncode == -signal.SIGKILL and at_round + 1 <= committed < rounds
+    rerun = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    counts = json.loads(next(ln for ln in rerun.stdout.splitlines() if ln.strip().startswith("counts "))
+                        .split("counts ", 1)[1])
+    assert counts["rounds_sampled"] == rounds - committed and counts["engine_starts"] == 1
+    assert counts["rounds_skipped"] + counts["rounds_replayed"] + counts["rounds_sampled"] == rounds
+    for at in (3, 6, 9, 12, 15, 16):
+        a, b = weights(policy(cfg, straight, at)), weights(policy(cfg, killed, at))
+        assert all(torch.equal(a[k], b[k]) for k in a), f"policy after update {at}"
+    last = dag.online_keys(cfg, rounds - 1)["online_train"]
+    assert killed.load("online_train", last).summary["cumulative_prompts"] == \
+        straight.load("online_train", last).summary["cumulative_prompts"]
+    assert not (state_folder(killed, cfg) / "pending").exists()
+
+
+@pytest.fixture(scope="module")
+def chains(tmp_path_factory, base_manifest):
+    """16 then 32 updates in one store; 32 straight in another; 8 in a third (N = 2)."""
+    root = tmp_path_factory.mktemp("chains")
+    out = {}
+    for name, steps in (("extended", (16, 32)), ("straight", (32,)), ("short", (8,))):
+        store = store_with_base(root / name, base_manifest)
+        out[name] = (store, [run_cell(cfg_of(**{"train.updates": n, "online.checkpoint_every": 1}), store,
+                                      base_manifest) for n in steps])
+    return out
+
+
+def test_a_longer_run_continues_the_chain(chains):
+    store, (first, second) = chains["extended"]
+    assert (first["rounds_sampled"], first["engine_starts"]) == (8, 1)
+    # the 32-update run starts at the 16-update run's last checkpoint: rounds 0-7 are not redone
+    assert (second["rounds_skipped"], second["rounds_replayed"], second["rounds_sampled"]) == (8, 0, 8)
+    cfg16, cfg32 = cfg_of(**{"train.updates": 16}), cfg_of(**{"train.updates": 32})
+    assert [dag.online_keys(cfg16, r) for r in range(8)] == [dag.online_keys(cfg32, r) for r in range(8)]
+    straight, _ = chains["straight"]
+    a, b = weights(policy(cfg32, store)), weights(policy(cfg32, straight))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert policy(cfg16, store) is not None        # the shorter run's end stays an evaluation point
+
+
+def test_heavy_bytes_do_not_grow_with_rounds(chains):
+    """16 rounds leave the same weights and optimizer bytes as 4 rounds: two rolling
+    checkpoints and the final policy; the rounds' folders hold pools and metrics only."""
+    (long_store, _), (short_store, _) = chains["straight"], chains["short"]
+    long, short = heavy_bytes(long_store), heavy_bytes(short_store)
+    print(f"\nheavy bytes after 16 rounds {long}, after 4 rounds {short}")
+    assert set(long) == set(short) == {"online_cell", "online_policy"}
+    assert long["online_policy"] == short["online_policy"]
+    assert abs(long["online_cell"] - short["online_cell"]) <= 0.001 * short["online_cell"]
+    assert len(list(state_folder(long_store, cfg_of(**{"train.updates": 32})).glob("checkpoints/round-*"))) == 2
+    for folder in long_store.root.glob("online_train-*"):
+        assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, "metrics.parquet"]
+
+
+# --------------------------------------------------------------------------- bad input
+
+def test_a_foreign_checkpoint_and_a_missing_round_are_one_line(tmp_path, base_manifest):
+    cfg = cfg_of(**{"train.updates": 4})
+    store = store_with_base(tmp_path / "s", base_manifest)
+    run_cell(cfg, store, base_manifest)
+    (ckpt,) = (state_folder(store, cfg) / "checkpoints").glob("round-*")
+    meta = json.loads((ckpt / "cell.json").read_text())
+    (ckpt / "cell.json").write_text(json.dumps(meta | {"round_key": "f" * 64}))
+    with pytest.raises(TrainingError, match=r"closes round 1 of another chain .* delete .* to start this cell over") as e:
+        run_cell(cfg, store, base_manifest)
+    assert "\n" not in str(e.value)
+    (ckpt / "cell.json").write_text(json.dumps(meta))
+    shutil.rmtree(store.folder("online_train", dag.online_keys(cfg, 1)["online_train"]))
+    with pytest.raises(TrainingError, match=r"closes round 1, whose record .* is not in the cache: the chain is "
+                                            r"missing a round") as e:
+        run_cell(cfg, store, base_manifest)
+    assert "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------- ranks
+
+def test_two_gloo_ranks_match_one_process(tmp_path, base_manifest):
+    """The cell under torchrun (2 CPU ranks, FSDP2): rank 0 samples with the gathered weights;
+    the pools' responses are the one-process cell's and the weights agree within 1e-5."""
+    cfg1 = cfg_of(**{"train.updates": 4, "train.eval_every": 2})
+    one, two = store_with_base(tmp_path / "one", base_manifest), store_with_base(tmp_path / "two", base_manifest)
+    run_cell(cfg1, one, base_manifest)
+    counts = run_cell(cfg1.updated({"train.nproc": 2}), two, base_manifest)
+    assert (counts["engine_starts"], counts["rounds_sampled"]) == (1, 2)
+    for r in range(2):
+        key = dag.online_keys(cfg1, r)["online_pool"]
+        cols = ["prompt_id", "response_token_ids", "reward"]
+        assert pl.read_parquet(one.load("online_pool", key).path("train_pool"), columns=cols).equals(
+            pl.read_parquet(two.load("online_pool", key).path("train_pool"), columns=cols))
+    for at in (2, 4):
+        a, b = weights(policy(cfg1, one, at)), weights(policy(cfg1, two, at))
+        worst = max((a[k] - b[k]).abs().max().item() for k in a)
+        assert set(a) == set(b) and worst <= 1e-5, (at, worst)
