@@ -4,9 +4,9 @@
 - `threads` (default): Prefect's ThreadPoolTaskRunner in the flow process;
   `experiment.parallel` bounds the builds that run at once.
 - `ray`: prefect_ray's RayTaskRunner. Each stage task asks Ray for what it uses
-  (`stage_resources`): one GPU for rollout, train and evaluate when they run on CUDA
-  (vLLM: data_parallel x tensor_parallel_size GPUs), else CPUs (torch threads; verify: its
-  grading workers). Ray runs as many tasks at once as the cluster's resources hold;
+  (`stage_resources`): one GPU for rollout, train, score and evaluate when they run on CUDA
+  (vLLM: data_parallel x tensor_parallel_size GPUs), else CPUs (torch threads; verify and
+  pool_import: their grading workers). Ray runs as many tasks at once as the cluster's resources hold;
   `experiment.parallel` does not apply. Address: `experiment.ray_address`, else
   $RAY_ADDRESS, else "local": a private Ray instance on this machine for the flow run.
 
@@ -60,7 +60,7 @@ WORKDIR_ENV = "GGPO_WORKDIR"     # the flow's working directory, for relative pa
 # stages that run a model: a GPU each when they run on CUDA. online_pool samples like
 # rollout; online_train trains like train
 MODEL_STAGES = {"rollout": "engine", "evaluate": "engine", "online_pool": "engine",
-                "train": "trainer", "online_train": "trainer"}
+                "train": "trainer", "online_train": "trainer", "score": "scorer"}
 
 
 def ray_address(cfg) -> tuple[str, str]:
@@ -181,7 +181,7 @@ def stage_resources(stage: str, cfg) -> dict[str, Any]:
     gpus = _gpus_for(stage, cfg)
     if gpus:
         return {"num_gpus": gpus, "num_cpus": 1}
-    if stage == "verify":
+    if stage in ("verify", "pool_import"):      # the grading workers
         return {"num_cpus": cfg.verify.workers or 1}
     return {"num_cpus": cfg.model.threads if stage in MODEL_STAGES or stage == "base" else 1}
 
