@@ -26,7 +26,7 @@ from prefect.futures import PrefectFuture, wait
 from prefect.states import Cancelled, State
 from prefect.runtime import flow_run
 
-from pipeline import dag, grading, grid, interrupt, placement, pool_source, progress, report, tracking
+from pipeline import dag, grading, grid, interrupt, placement, progress, report, tracking
 from pipeline.config import PipelineConfig
 from pipeline.grid import Cell
 from pipeline.preflight import check_run
@@ -222,8 +222,7 @@ def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: l
             with tracking.parent_run(title, cfg.model_dump(mode="json"), tags) as (client, parent):
                 set_parallel_builds(cfg.experiment.parallel)
                 if cfg.pool.source:      # the imported pool's source, as the parent run's dataset input
-                    src = pool_source.load(cfg.pool)
-                    tracking.log_source_dataset(client, parent, cfg.pool.source, src.digest, src.rows, src.kind)
+                    tracking.log_source_dataset(client, parent, cfg.pool)
                 step = Runner(set(force or []), parent)
                 step("base", cfg, {}, "base")
                 pending = [p for seed in seeds for p in submit_seed(step, [c for c in cells if c.seed == seed])]

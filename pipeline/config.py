@@ -24,6 +24,13 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def check_known(setting: str, given, known: tuple[str, ...]) -> None:
+    """A ValueError naming the names in `given` that are not `known`."""
+    unknown = [x for x in given if x not in known]
+    if unknown:
+        raise ValueError(f"{setting}: unknown {unknown}; known: {', '.join(known)}")
+
+
 class TaskConfig(Section):
     """The prompt set: a built-in task family, or a Parquet/JSONL file with problem, answer."""
     name: str = "digit_sort"          # digit_sort | arithmetic | path to .parquet/.jsonl
@@ -258,9 +265,7 @@ class PoolConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "PoolConfig":
-        unknown = [k for k in self.map if k not in POOL_FIELDS]
-        if unknown:
-            raise ValueError(f"pool.map: unknown field {unknown[0]!r}; known: {', '.join(POOL_FIELDS)}")
+        check_known("pool.map", self.map, POOL_FIELDS)
         if (self.score_model or self.split) and not self.source:
             raise ValueError("pool.score_model and pool.split apply to an imported pool: set pool.source too")
         return self
@@ -307,9 +312,7 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "EvalConfig":
-        unknown = [b for b in self.benchmarks if b not in BENCHMARKS]
-        if unknown:
-            raise ValueError(f"eval.benchmarks: unknown {unknown}; known: {', '.join(BENCHMARKS)}")
+        check_known("eval.benchmarks", self.benchmarks, BENCHMARKS)
         return self
 
 

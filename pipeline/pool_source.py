@@ -100,6 +100,8 @@ def _locate(pc: PoolConfig) -> tuple[str, Path | str]:
         return "file", path
     if path.is_dir():
         return "saved", path
+    if path.suffix in FILE_SUFFIXES or str(pc.source).startswith((".", "/", "~")):
+        raise PoolError(f"{path}: no such file (pool.source)")
     return "dataset", pc.source
 
 

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 from pipeline import paths
 from pipeline.store import Manifest
-from pipeline import interrupt, services
+from pipeline import interrupt, pool_source, services
 from pipeline.grid import fmt, short_names
 
 EXPERIMENT = "ggpo-offline"
@@ -280,17 +280,21 @@ def log_pool_dataset(c, run_id: str, manifest: Manifest) -> None:
                                                 tags=[InputTag("mlflow.data.context", "training")])])
 
 
-def log_source_dataset(c, run_id: str, source: str, digest: str, rows: int, kind: str) -> None:
-    """An imported pool's source as a dataset input of the flow's parent run: its name, the
-    digest that keys the import (file sha256, or dataset id with its fingerprint) and its
-    row count. Nothing is read again: MLflow gets what the import already knows."""
+def log_source_dataset(c, run_id: str, pool_cfg) -> None:
+    """An imported pool's source (pool.source) as a dataset input of the flow's parent run:
+    its name, the digest that keys the import (file sha256, or dataset id with its
+    fingerprint; MLflow keeps 36 characters, the tag all 64) and its row count, from the
+    validated source the preflight already read."""
     from mlflow.entities import Dataset, DatasetInput, InputTag
-    source_type = "hugging_face" if kind == "dataset" else "local"
-    entity = Dataset(name=f"pool source {source}", digest=digest[:36], source_type=source_type,
-                     source=json.dumps({"uri": source} if kind != "dataset" else {"path": source}),
-                     profile=json.dumps({"num_rows": rows}))
+    src = pool_source.load(pool_cfg)
+    if src.kind == "dataset":
+        name, source_type, where = pool_cfg.source, "hugging_face", {"path": pool_cfg.source}
+    else:
+        name, source_type, where = src.name, "local", {"uri": str(Path(src.name).resolve())}
+    entity = Dataset(name=f"pool source {name}", digest=src.digest[:36], source_type=source_type,
+                     source=json.dumps(where), profile=json.dumps({"num_rows": src.rows}))
     c.log_inputs(run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", "training")])])
-    c.set_tag(run_id, "ggpo.pool_source_digest", digest)    # MLflow keeps 36 characters of a digest
+    c.set_tag(run_id, "ggpo.pool_source_digest", src.digest)
 
 
 def log_round(trained: Manifest, pool: Manifest, run_id: str) -> None:
