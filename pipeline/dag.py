@@ -120,8 +120,9 @@ def cached_inputs(stage: str, config: PipelineConfig, store: Store,
             manifest = run_stage(spec("base"), cfg, {}, store)    # records the external model's path: free
         if manifest is None:
             where = f" --set online.round={cfg.online.round}" if src in ONLINE else ""
+            command = f"ggpo pool import {cfg.pool.source}" if src == "pool_import" else f"ggpo stage {src}"
             missing.append(f"  input '{name}' from stage '{src}': build it with "
-                           f"`ggpo stage {src} --preset {preset}{where}` (and the same --set options)")
+                           f"`{command} --preset {preset}{where}` (and the same --set options)")
         else:
             found[name] = manifest
     if missing:

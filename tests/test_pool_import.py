@@ -106,6 +106,10 @@ def test_grpo_tis_is_refused_until_the_pool_is_scored(base_manifest, logit_scale
     refused = one_line(ggpo("stage", "train", "--preset", "smoke", "--no-track", *tis))
     assert "train.method=grpo_tis: GRPO+TIS needs behavior log-probs" in refused
     assert "ggpo stage score --model PATH" in refused
+    cfg = load_config("smoke", tis[1::2])       # past the preflight, the train stage refuses it too
+    with pytest.raises(train.TrainingError, match="GRPO\\+TIS needs behavior log-probs"):
+        train.run(cfg, {"base": base_manifest, "pool": Store().load("pool_import", dag.expected_key("pool_import", cfg))})
+    assert Store().load("train", dag.expected_key("train", cfg)) is None
     model = model_path(base_manifest)
     scored = ggpo("stage", "score", "--preset", "smoke", "--no-track", "--model", model, *tis)
     assert scored.returncode == 0, scored.stderr[-3000:]
