@@ -1,7 +1,8 @@
 """Prefect flow `ggpo` (deployment `offline`): the offline comparison, stage by stage.
 
-Per seed one pool (rollout -> verify -> filter); every method of `methods` trains on that
-pool with the same seeded group order and geometry, at every point of `experiment.grid`
+Per seed one pool (rollout -> verify -> filter; with `pool.source` the imported pool,
+pool_import [-> score]: dag.pool_stages); every method of `methods` trains on that pool
+with the same seeded group order and geometry, at every point of `experiment.grid`
 (pipeline/grid.py: the cells; a grid over a field the pool reads gives one pool per value,
 and named `experiment.variants` join `methods`); each policy is evaluated every
 `train.eval_every` updates and at the end; the base model is update 0. The flow ends with
@@ -108,9 +109,7 @@ def submit_seed(step: Runner, cells: list[Cell]) -> list[tuple[dict, PrefectFutu
         def name(stage: str, head: str, sc: PipelineConfig = c) -> str:
             return head + cell.tag(keyed_fields(stage, sc, set(cell.values)))
         base = step("base", c, {}, name("base", "base"))
-        roll = step("rollout", c, {"base": base}, name("rollout", f"rollout-seed{s}"))
-        ver = step("verify", c, {"rollout": roll}, name("verify", f"verify-seed{s}"))
-        pool = step("filter", c, {"rollout": roll, "verify": ver}, name("filter", f"filter-seed{s}"))
+        pool = submit_pool(step, c, base, lambda stage: name(stage, f"{stage}-seed{s}"))
         cb = c.updated({"eval.target": "base"})
         base_eval = step("evaluate", cb, {"model": base}, name("evaluate", f"evaluate-base-seed{s}", cb))
         trained = step("train", c, {"base": base, "pool": pool}, f"train-{cell.slug}-seed{s}")
@@ -122,6 +121,15 @@ def submit_seed(step: Runner, cells: list[Cell]) -> list[tuple[dict, PrefectFutu
                             step("evaluate", c.updated({"eval.update": update}), {"model": trained},
                                  f"evaluate-{cell.slug}-seed{s}-u{update or c.train.updates}")))
     return pending
+
+
+def submit_pool(step: Runner, c: PipelineConfig, base: PrefectFuture, name) -> PrefectFuture:
+    """The pool's stages (dag.pool_stages): rollout, verify, filter; or for an imported pool
+    (pool.source) pool_import and, with pool.score_model, score. Returns the last one."""
+    done = {"base": base}
+    for stage in dag.pool_stages(c):
+        done[stage] = step(stage, c, {n: done[src] for n, src in dag.upstream(stage, c).items()}, name(stage))
+    return done[stage]
 
 
 def collect(pending: list[tuple[dict, PrefectFuture]], cfg: PipelineConfig) -> tuple[list[dict], list, list]:
@@ -213,6 +221,8 @@ def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: l
         try:
             with tracking.parent_run(title, cfg.model_dump(mode="json"), tags) as (client, parent):
                 set_parallel_builds(cfg.experiment.parallel)
+                if cfg.pool.source:      # the imported pool's source, as the parent run's dataset input
+                    tracking.log_source_dataset(client, parent, cfg.pool)
                 step = Runner(set(force or []), parent)
                 step("base", cfg, {}, "base")
                 pending = [p for seed in seeds for p in submit_seed(step, [c for c in cells if c.seed == seed])]

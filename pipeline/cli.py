@@ -4,6 +4,8 @@
   ggpo run offline [--preset P] [--set k=v ...] [--force STAGE ...]   the flow, in-process
   ggpo run online [--preset P] ...        the online loop (Algorithm 1; default preset tiny-online)
   ggpo stage NAME [--preset P] [--set k=v ...] [--force]  one stage from cached inputs
+  ggpo pool import SOURCE [--split S] [--map FIELD=COLUMN ...] [--trust-rewards]  a pool you already have
+  ggpo stage score --model PATH ...       behavior log-probs for an imported pool, from a named model
   ggpo cache ls                           artifacts: stage, key, rows, size, created
   ggpo cache verify                       re-hash every artifact against its manifest
   ggpo cache gc [--yes] [--all] [--unreferenced]  remove interrupted builds and unreachable artifacts
@@ -20,9 +22,9 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from pipeline import dag, interrupt, paths, services
+from pipeline import dag, interrupt, paths, pool_source, services
 from pipeline.config import PRESET_DIR, load_config, parse_overrides, preset_names
-from pipeline.errors import BenchmarkError, ConfigError, DamagedArtifact, DatasetError, TrainingError
+from pipeline.errors import BenchmarkError, ConfigError, DamagedArtifact, DatasetError, PoolError, TrainingError
 from pipeline.store import Store, gc_plan, verify_all
 from pipeline import grading, online_report, report, stage, tracking
 from pydantic import ValidationError
@@ -59,6 +61,21 @@ def parser() -> argparse.ArgumentParser:
     _config_args(st)
     st.add_argument("--force", action="store_true", help="recompute even if cached")
     st.add_argument("--no-track", action="store_true", help="do not log to MLflow")
+    st.add_argument("--model", metavar="PATH", help="stage score: the model folder whose teacher-forced log-probs "
+                    "become an imported pool's behavior log-probs (= --set pool.score_model=PATH)")
+    pool = sub.add_parser("pool", help="bring your own pool: completions you already have")
+    pool_sub = pool.add_subparsers(dest="action", required=True)
+    imp = pool_sub.add_parser("import", help="build a training pool from a Parquet/JSONL file or a dataset id")
+    imp.add_argument("source", help="a .parquet or .jsonl file, a folder saved by datasets, or a dataset id")
+    imp.add_argument("--split", help="the dataset's split (dataset ids and saved folders; default train)")
+    imp.add_argument("--map", dest="mapping", action="append", default=[], metavar="FIELD=COLUMN",
+                     help="read our FIELD from your COLUMN, e.g. --map problem=question --map responses=generations "
+                          "--map rewards=correctness (repeatable; = pool.map)")
+    imp.add_argument("--trust-rewards", action="store_true",
+                     help="keep the given rewards instead of grading every response with math-verify")
+    _config_args(imp)
+    imp.add_argument("--force", action="store_true", help="rebuild even if cached")
+    imp.add_argument("--no-track", action="store_true", help="do not log to MLflow")
     cache = sub.add_parser("cache", help="inspect the artifact store")
     cache.add_argument("action", choices=["ls", "verify", "gc"],
                        help="ls: list; verify: re-hash all files (exit 2 if any is damaged); "
@@ -297,29 +314,67 @@ def detached_server(port: int):
 
 
 def cmd_stage(args) -> int:
-    cfg = load_config(args.preset, _overrides(args))
+    overrides = _overrides(args) | ({"pool.score_model": args.model} if args.model else {})
+    return run_one_stage(args.name, load_config(args.preset, overrides), args)
+
+
+def run_one_stage(name: str, cfg, args, inputs_of=None) -> int:
+    """Build (or find) one stage from its cached inputs and print its manifest; inputs_of:
+    another way to get the inputs (default: the cache, dag.cached_inputs)."""
     from pipeline.preflight import preflight
-    preflight(cfg)      # device, engine, model, data, disk: every prerequisite before any work
+    preflight(cfg, name)      # device, engine, model, data, disk: every prerequisite before any work
     store = Store()
     interrupt.reset()
     with interrupt.handlers():       # Ctrl-C: stop at a safe point (training checkpoints), exit 130
         try:
-            if args.name == "online":
+            if name == "online":
                 return stage_online(cfg, store, args)
-            inputs = dag.cached_inputs(args.name, cfg, store, args.preset)
-            manifest = dag.run(args.name, cfg, inputs, store, args.force)
+            inputs = (inputs_of or dag.cached_inputs)(name, cfg, store, args.preset)
+            manifest = dag.run(name, cfg, inputs, store, args.force)
         except interrupt.Interrupted:
             return interrupted()
-    print(f"{args.name}: {stage.outcome(manifest)}\n  key    {manifest.key}\n  folder {manifest.folder}")
+    print_manifest(name, manifest, store)
+    if not args.no_track:
+        run_id = tracking.log_stage(manifest, f"stage-{name}")
+        print(f"  mlflow run {tracking.run_link(run_id) or run_id + ' in ' + tracking.tracking_uri()}")
+    return 0
+
+
+def print_manifest(name: str, manifest, store: Store) -> None:
+    print(f"{name}: {stage.outcome(manifest)}\n  key    {manifest.key}\n  folder {manifest.folder}")
     if store.url:
         print(f"  store  {store.address(manifest)}")
     for name, entry in manifest.files.items():
         print(f"  {name:12s} {entry.path} rows={entry.rows} sha256={entry.sha256[:16]}")
     print("  summary " + json.dumps(manifest.summary))
-    if not args.no_track:
-        run_id = tracking.log_stage(manifest, f"stage-{args.name}")
-        print(f"  mlflow run {tracking.run_link(run_id) or run_id + ' in ' + tracking.tracking_uri()}")
-    return 0
+
+
+def cmd_pool(args) -> int:
+    """`ggpo pool import SOURCE`: the pool_import stage with the source and its mapping as
+    pool.* settings; the base model (its tokenizer) is built first when it is not cached.
+    Ends with the --set options that make `ggpo stage train` and `ggpo run offline` use it."""
+    mapping = {}
+    for item in args.mapping:
+        field, sep, column = item.partition("=")
+        if not sep or not field.strip() or not column.strip():
+            raise ConfigError(f"--map expects FIELD=COLUMN (e.g. --map problem=question), got '{item}'")
+        mapping[field.strip()] = column.strip()
+    pool = {"pool.source": args.source, "pool.map": mapping} | ({"pool.split": args.split} if args.split else {}) | (
+        {"pool.trust_rewards": True} if args.trust_rewards else {})
+    cfg = load_config(args.preset, _overrides(args) | pool)
+    code = run_one_stage("pool_import", cfg, args, inputs_of=built_inputs)
+    sets = " ".join(f"--set '{k}={v if isinstance(v, str) else json.dumps(v)}'" for k, v in pool.items() if v != {})
+    if not pool_source.load(cfg.pool).has_behavior:     # what trains without behavior log-probs
+        sets += " --set 'experiment.methods=[\"grpo\",\"agro\",\"ggpo\"]' --set train.anchor=old"
+    print(f"train on it: ggpo stage train --preset {args.preset} {sets} --set train.method=ggpo\n"
+          f"         or: ggpo run offline --preset {args.preset} {sets}")
+    return code
+
+
+def built_inputs(name: str, cfg, store: Store, preset: str) -> dict:
+    """The stage's inputs, each from the cache or built now from its own cached inputs."""
+    return {n: dag.run(src, c, dag.cached_inputs(src, c, store, preset), store)
+            for n, (src, c) in dag.sources(name, cfg).items()}
 
 
 def stage_online(cfg, store: Store, args) -> int:
@@ -438,8 +493,8 @@ def cmd_down(args) -> int:
     return 0
 
 
-COMMANDS = {"up": cmd_up, "down": cmd_down, "env": cmd_env,
-            "status": cmd_status, "run": cmd_run, "stage": cmd_stage, "cache": cmd_cache, "report": cmd_report}
+COMMANDS = {"up": cmd_up, "down": cmd_down, "env": cmd_env, "status": cmd_status, "run": cmd_run,
+            "stage": cmd_stage, "pool": cmd_pool, "cache": cmd_cache, "report": cmd_report}
 
 
 def expected_error(exc: BaseException) -> str | None:
@@ -454,6 +509,8 @@ def expected_error(exc: BaseException) -> str | None:
         fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
                            for e in invalid.errors())
         return f"{head}: {fields}; fix the --set option or the preset file in {PRESET_DIR}"
+    if isinstance(exc, PoolError):
+        return f"{exc} (fix the source, or map its columns: --map FIELD=COLUMN, pool.map)"
     if isinstance(exc, DatasetError):
         return f"{exc} (fix the file, or pick a prompt set: --set task.name=digit_sort|arithmetic|PATH)"
     if isinstance(exc, BenchmarkError):

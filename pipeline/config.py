@@ -24,6 +24,13 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def check_known(setting: str, given, known: tuple[str, ...]) -> None:
+    """A ValueError naming the names in `given` that are not `known`."""
+    unknown = [x for x in given if x not in known]
+    if unknown:
+        raise ValueError(f"{setting}: unknown {unknown}; known: {', '.join(known)}")
+
+
 class TaskConfig(Section):
     """The prompt set: a built-in task family, or a Parquet/JSONL file with problem, answer."""
     name: str = "digit_sort"          # digit_sort | arithmetic | path to .parquet/.jsonl
@@ -234,6 +241,36 @@ METHODS = get_args(TrainConfig.model_fields["method"].annotation)
 FLOW_FIELDS = ("train.method", "eval.target", "eval.update", "online.round")
 
 
+# the fields an imported pool's source can hold (pipeline/pool_source.py); `pool.map` renames them
+POOL_FIELDS = ("problem", "answer", "response", "responses", "reward", "rewards", "behavior_logprobs",
+               "group", "id")
+
+
+class PoolConfig(Section):
+    """A pool you already have (stages/pool_import.py): completions with a correctness flag,
+    in place of rollout -> verify -> filter. `source` is a Parquet or JSONL file, a folder
+    saved by `datasets` (`save_to_disk`), or a dataset id read through `datasets` (`split`).
+    Its content enters the key (file bytes, or the dataset's fingerprint), not its path."""
+    source: str | None = None
+    split: str | None = None          # dataset ids and saved dataset folders only; None = "train"
+    # our field -> the source's column: {"problem": "question", "responses": "generations"}
+    map: dict[str, str] = {}
+    trust_rewards: bool = False       # keep given rewards instead of grading every response
+    # task: the task's template (task.prompt), as the rollout stage; chat: the model's chat
+    # template with the plain instruction, the one eval.prompt=chat uses
+    prompt: Literal["task", "chat"] = "task"
+    # a local HF folder whose teacher-forced log-probs become the behavior log-probs
+    # (stages/score.py) of a pool that has none; the train stage then reads the scored pool
+    score_model: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "PoolConfig":
+        check_known("pool.map", self.map, POOL_FIELDS)
+        if (self.score_model or self.split) and not self.source:
+            raise ValueError("pool.score_model and pool.split apply to an imported pool: set pool.source too")
+        return self
+
+
 class OnlineConfig(Section):
     """The online loop (spec 8.1-8.3, flows/online.py): each round syncs the sampler to the
     learner, draws prompt batches from the seeded loader until N * G_mb mixed-reward groups
@@ -284,9 +321,7 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "EvalConfig":
-        unknown = [b for b in self.benchmarks if b not in BENCHMARKS]
-        if unknown:
-            raise ValueError(f"eval.benchmarks: unknown {unknown}; known: {', '.join(BENCHMARKS)}")
+        check_known("eval.benchmarks", self.benchmarks, BENCHMARKS)
         return self
 
 
@@ -300,6 +335,7 @@ class PipelineConfig(Section):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     online: OnlineConfig = OnlineConfig()
+    pool: PoolConfig = PoolConfig()
     experiment: ExperimentConfig = ExperimentConfig()
 
     def updated(self, overrides: dict[str, Any]) -> "PipelineConfig":

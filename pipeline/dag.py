@@ -19,11 +19,18 @@ from pipeline.store import Manifest, Store
 from pipeline.store import canonical_json as canonical
 
 STAGE_NAMES = ("base", "rollout", "verify", "filter", "train", "evaluate", "online_pool", "online_train",
-               "online_policy")
+               "online_policy", "pool_import", "score")
 ONLINE = ("online_pool", "online_train")
-
-
 EVAL_TARGETS = {"train": "train", "base": "base", "online": "online_policy"}   # eval.target -> stage
+
+
+def pool_stages(config: PipelineConfig) -> tuple[str, ...]:
+    """The stages that make the training pool, in order; the last one feeds `train`.
+    Sampled: rollout, verify, filter. Imported (pool.source): pool_import, then score
+    when pool.score_model asks for scored behavior log-probs."""
+    if not config.pool.source:
+        return ("rollout", "verify", "filter")
+    return ("pool_import", "score") if config.pool.score_model else ("pool_import",)
 
 
 class MissingInput(RuntimeError):
@@ -49,7 +56,8 @@ def upstream(stage: str, config: PipelineConfig) -> dict[str, str]:
 def sources(stage: str, config: PipelineConfig) -> dict[str, tuple[str, PipelineConfig]]:
     """Input name -> (producing stage, the config it was produced under). The online loop
     chains rounds: round r's pool samples with round r-1's policy (`policy`), and its
-    training continues round r-1's state (`state`); round 0 starts from `base`."""
+    training continues round r-1's state (`state`); round 0 starts from `base`. Offline
+    training takes its pool from the last of `pool_stages`."""
     r = config.online.round
     prev = config.updated({"online.round": r - 1}) if stage in ONLINE and r > 0 else None
     if stage == "online_pool":
@@ -65,7 +73,9 @@ def sources(stage: str, config: PipelineConfig) -> dict[str, tuple[str, Pipeline
         "rollout": {"base": "base"},
         "verify": {"rollout": "rollout"},
         "filter": {"rollout": "rollout", "verify": "verify"},
-        "train": {"base": "base", "pool": "filter"},
+        "pool_import": {"base": "base"},
+        "score": {"pool": "pool_import"},
+        "train": {"base": "base", "pool": pool_stages(config)[-1]},
         "evaluate": {"model": EVAL_TARGETS[config.eval.target]},
     }[stage].items()}
 
@@ -158,8 +168,8 @@ def missing_line(name: str, src: str, cfg: PipelineConfig, preset: str) -> str:
         what = f"round {cfg.online.round}" if src in ONLINE else f"the policy after update {cfg.eval.update}"
         return (f"  input '{name}' from stage '{src}' ({what} of an online cell): build it with "
                 f"`ggpo stage online --preset {preset}` (and the same --set options)")
-    return (f"  input '{name}' from stage '{src}': build it with `ggpo stage {src} --preset {preset}` "
-            f"(and the same --set options)")
+    command = f"ggpo pool import {cfg.pool.source}" if src == "pool_import" else f"ggpo stage {src}"
+    return f"  input '{name}' from stage '{src}': build it with `{command} --preset {preset}` (and the same --set options)"
 
 
 def rebuild(name: str, stage: str, problems: list[str], config: PipelineConfig, store: Store,
@@ -183,7 +193,7 @@ def experiment_keys(config: PipelineConfig) -> set[tuple[str, str]]:
     keys = {("base", expected_key("base", config))}
     for cell in cells(config):
         c = cell.config
-        keys |= {(stage, expected_key(stage, c)) for stage in ("rollout", "verify", "filter", "train")}
+        keys |= {(stage, expected_key(stage, c)) for stage in pool_stages(c) + ("train",)}
         keys.add(("evaluate", expected_key("evaluate", c.updated({"eval.target": "base"}))))
         keys |= {("evaluate", expected_key("evaluate", c.updated({"eval.update": u})))
                  for u in c.train.snapshot_updates() + [None]}

@@ -14,6 +14,10 @@ class DatasetError(ValueError):
     """A prompt file (task.name) that cannot be read as a task."""
 
 
+class PoolError(DatasetError):
+    """A pool source (pool.source: a completions file or dataset) that cannot be imported."""
+
+
 class BenchmarkError(ValueError):
     """A benchmark file (eval.data_dir) that cannot be read."""
 

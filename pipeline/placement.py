@@ -4,9 +4,9 @@
 - `threads` (default): Prefect's ThreadPoolTaskRunner in the flow process;
   `experiment.parallel` bounds the builds that run at once.
 - `ray`: prefect_ray's RayTaskRunner. Each stage task asks Ray for what it uses
-  (`stage_resources`): one GPU for rollout, train and evaluate when they run on CUDA
-  (vLLM: data_parallel x tensor_parallel_size GPUs), else CPUs (torch threads; verify: its
-  grading workers). Ray runs as many tasks at once as the cluster's resources hold;
+  (`stage_resources`): one GPU for rollout, train, score and evaluate when they run on CUDA
+  (vLLM: data_parallel x tensor_parallel_size GPUs), else CPUs (torch threads; verify and
+  pool_import: their grading workers). Ray runs as many tasks at once as the cluster's resources hold;
   `experiment.parallel` does not apply. Address: `experiment.ray_address`, else
   $RAY_ADDRESS, else "local": a private Ray instance on this machine for the flow run.
 
@@ -57,7 +57,7 @@ PIP_EXTRA = "pip install -e '.[ray]'"
 # AWS_: an s3:// store's credentials and endpoint (pipeline/remote_store.py) reach the workers
 FORWARD = ("GGPO_", "MLFLOW_", "PREFECT_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "AWS_")
 WORKDIR_ENV = "GGPO_WORKDIR"     # the flow's working directory, for relative paths
-MODEL_STAGES = {"rollout": "engine", "evaluate": "engine", "train": "trainer",
+MODEL_STAGES = {"rollout": "engine", "evaluate": "engine", "train": "trainer", "score": "scorer",
                 "online": "trainer"}     # an online cell: its learner, and its sampler beside it
 
 
@@ -179,7 +179,7 @@ def stage_resources(stage: str, cfg) -> dict[str, Any]:
     gpus = _gpus_for(stage, cfg)
     if gpus:
         return {"num_gpus": gpus, "num_cpus": 1}
-    if stage == "verify":
+    if stage in ("verify", "pool_import"):      # the grading workers
         return {"num_cpus": cfg.verify.workers or 1}
     return {"num_cpus": cfg.model.threads if stage in MODEL_STAGES or stage == "base" else 1}
 

@@ -17,7 +17,10 @@ the data, disk) come in one run, not one run each:
   response budgets, or a hub id that resolves (its config and tokenizer are downloaded,
   then checked like a folder); anything else is refused;
 - data: the task file parses (unusable rows within the limit, enough rows for n_eval),
-  every benchmark file of `eval.benchmarks` parses;
+  every benchmark file of `eval.benchmarks` parses, an imported pool's source
+  (`pool.source`) reads and validates, and the methods that need behavior log-probs are
+  refused on one that has none (unless `pool.score_model` scores them);
+- `pool.score_model`: a local HF folder with a tokenizer;
 - disk: the cache's file system has room for the checkpoints and policies the run plans.
 
 The seed rule: a flow trains every seed of `experiment.seeds`. `--set seed=7` on a flow
@@ -37,7 +40,7 @@ from typing import Any, Callable
 
 from pipeline.config import PipelineConfig, TrainConfig, load_config, parse_overrides
 from pipeline.errors import BenchmarkError, ConfigError, DatasetError, StoreError
-from pipeline import benchmarks, dag, grid, tasks
+from pipeline import benchmarks, dag, grid, pool_source, tasks
 from pipeline.engines import check_vllm
 from pipeline.runtime import resolve_device
 from pipeline.store import Store, check_store
@@ -83,9 +86,12 @@ def check_run(flow: str, preset: str, overrides: dict[str, Any] | list[str] | No
     return cfg, cells
 
 
-def preflight(cfg: PipelineConfig) -> None:
-    """Every prerequisite of one config (ggpo stage); one ConfigError listing what is missing."""
-    raise_problems(problems(cfg, runs=1))
+def preflight(cfg: PipelineConfig, stage: str | None = None) -> None:
+    """Every prerequisite of one config (ggpo stage NAME); one ConfigError listing what is
+    missing. The method's needs are checked when `stage` trains (or is not named); `online`
+    (one online cell) also checks the online geometry."""
+    raise_problems(problems(cfg, runs=1, flow="online" if stage == "online" else None,
+                            trains=stage in (None, "train", "online")))
 
 
 def raise_problems(found: list) -> None:
@@ -99,13 +105,16 @@ def raise_problems(found: list) -> None:
 
 
 def problems(cfg: PipelineConfig, runs: int = 1, flow: str | None = None, shared: bool = True,
-             per_cell: bool = True) -> list[Exception]:
+             per_cell: bool = True, trains: bool = True) -> list[Exception]:
     """One (one-line) exception per missing prerequisite of `cfg` (empty: ready). shared: the checks that do
     not depend on a cell (store, device, model, data, disk for `runs` training runs);
-    per_cell: those that do (sampling against the method, online geometry)."""
+    per_cell: those that do (sampling against the method, online geometry, and when the
+    run `trains`, the method against an imported pool)."""
     checks: list[Callable[[], None]] = []
     if per_cell:
         checks.append(lambda: check_sampling(cfg))
+    if per_cell and trains:
+        checks.append(lambda: check_pool(cfg))
     if per_cell and flow == "online":
         checks.append(lambda: check_online(cfg))
     if shared:
@@ -155,6 +164,15 @@ def check_sampling(cfg: PipelineConfig) -> None:
                           f"importance ratio by the kept mass; sample with rollout.top_p=1 for this method")
 
 
+def check_pool(cfg: PipelineConfig) -> None:
+    """An imported pool without behavior log-probs (none in the source, none scored) refuses
+    the methods that need them, before any work."""
+    if not cfg.pool.source or cfg.pool.score_model or not cfg.train.needs_behavior_logprobs():
+        return
+    if not pool_source.load(cfg.pool).has_behavior:
+        raise ConfigError(pool_source.behavior_refusal(cfg.train, cfg.pool.source))
+
+
 def check_placement(tc: TrainConfig, device) -> None:
     """train.nproc ranks fit this node (one GPU each on CUDA; gloo ranks are processes, up
     to 4 per core); several nodes need the rendezvous endpoint."""
@@ -182,6 +200,9 @@ def check_online(cfg: PipelineConfig) -> None:
         raise ConfigError(f"a round needs train.updates_per_step x train.groups_per_update = {need} distinct "
                           f"mixed-reward groups but the task has {n_prompts} training prompts (task.n_train); "
                           f"lower train.updates_per_step or train.groups_per_update")
+    if cfg.pool.source:
+        raise ConfigError(f"pool.source={cfg.pool.source}: the online loop samples its own pools; an imported "
+                          "pool trains in the offline flow (ggpo run offline)")
     if cfg.online.per_draw(tc) * cfg.online.max_draws < need:
         raise ConfigError(f"online.max_draws x draw size = {cfg.online.per_draw(tc) * cfg.online.max_draws} "
                           f"prompts can never fill a round of {need} groups")
@@ -190,7 +211,14 @@ def check_online(cfg: PipelineConfig) -> None:
 # --------------------------------------------------------------------------- the model
 
 def check_model(cfg: PipelineConfig) -> None:
-    """model.name_or_path: a local HF folder, or a hub id that resolves."""
+    """model.name_or_path: a local HF folder, or a hub id that resolves; pool.score_model: a
+    local HF folder."""
+    if cfg.pool.score_model:
+        folder = Path(cfg.pool.score_model).expanduser()
+        if not folder.is_dir():
+            raise ConfigError(f"pool.score_model={cfg.pool.score_model}: no such folder; give a local model folder "
+                              f"(huggingface-cli download ID --local-dir DIR)")
+        check_model_folder(cfg, folder, "pool.score_model")
     name = cfg.model.name_or_path
     if not name:
         return
@@ -215,15 +243,15 @@ def resolve_hub_model(repo_id: str) -> Path:
                           f"(huggingface-cli download {repo_id} --local-dir DIR)") from None
 
 
-def check_model_folder(cfg: PipelineConfig, folder: Path) -> None:
+def check_model_folder(cfg: PipelineConfig, folder: Path, setting: str = "model.name_or_path") -> None:
     """A model folder has a tokenizer and config.json, and its context holds the response budgets."""
     if not any((folder / name).exists() for name in TOKENIZER_FILES):
-        raise ConfigError(f"model.name_or_path={folder}: the folder has no tokenizer (none of "
+        raise ConfigError(f"{setting}={folder}: the folder has no tokenizer (none of "
                           f"{', '.join(TOKENIZER_FILES)}); save the tokenizer next to the weights "
                           "(tokenizer.save_pretrained(folder))")
     config_file = folder / "config.json"
     if not config_file.exists():
-        raise ConfigError(f"model.name_or_path={folder}: no config.json; is this a Hugging Face model folder?")
+        raise ConfigError(f"{setting}={folder}: no config.json; is this a Hugging Face model folder?")
     context = json.loads(config_file.read_text()).get("max_position_embeddings")
     for setting, budget in (("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
                             ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
@@ -235,9 +263,12 @@ def check_model_folder(cfg: PipelineConfig, folder: Path) -> None:
 # --------------------------------------------------------------------------- data and disk
 
 def check_data(cfg: PipelineConfig) -> None:
-    """The task file and the benchmark files parse (each read once per process)."""
+    """The task file, an imported pool's source and the benchmark files parse (each read
+    once per process)."""
     if cfg.task.name not in tasks.BUILTIN:
         tasks.splits(cfg.task)          # parses, skips unusable rows within the limit, n_eval fits
+    if cfg.pool.source:
+        pool_source.load(cfg.pool)      # every check that needs no tokenizer (pipeline/pool_source.py)
     for name in cfg.eval.benchmarks:
         benchmarks.load(name, cfg.eval.data_dir)
 

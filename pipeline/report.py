@@ -110,7 +110,7 @@ def from_cache(cfg, store) -> tuple[pl.DataFrame, pl.DataFrame, list[tuple[str, 
     for cell in grid.cells(cfg):
         cm, seed, method, label = cell.config, cell.seed, cell.method, cell.label
         columns = grid.columns(cell, cfg)
-        for stage in ("rollout", "verify", "filter"):
+        for stage in dag.pool_stages(cm):
             m = load(stage, cm)
             if (stage, dag.expected_key(stage, cm)) not in seen:
                 seen.add((stage, dag.expected_key(stage, cm)))

@@ -38,6 +38,15 @@ REWARDS = pa.schema([
 # so the same config and seed give a byte-identical file)
 TRAIN_POOL = pa.schema(list(ROLLOUTS) + [("reward", pa.float64()), ("status", pa.string())])
 
+# where each response of an imported pool (stages/pool_import.py) came from: its source row
+# and list position, the reward the source gave and the one the pool uses, whether its
+# tokens were cut at rollout.max_new_tokens, and whether its group passed the mixed filter
+POOL_PROVENANCE = pa.schema([
+    ("group", pa.int32()), ("sample", pa.int32()), ("prompt_id", pa.string()),
+    ("source_row", pa.int64()), ("source_index", pa.int32()), ("given_reward", pa.float64()),
+    ("reward", pa.float64()), ("status", pa.string()), ("truncated", pa.bool_()), ("kept", pa.bool_()),
+])
+
 TRAIN_METRICS = pa.schema([
     ("update", pa.int32()), ("loss", pa.float64()), ("pg_loss", pa.float64()),
     ("reward", pa.float64()), ("entropy", pa.float64()), ("grad_norm", pa.float64()),

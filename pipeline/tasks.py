@@ -23,6 +23,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import polars as pl
 
@@ -74,11 +75,10 @@ def sample_problems(cfg: TaskConfig, purpose: str, count: int, exclude: set[str]
     raise DatasetError(f"task '{cfg.name}' level {cfg.difficulty} has too few distinct problems for {count}")
 
 
-def read_jsonl(path: Path, error: type[Exception] = None) -> pl.DataFrame:
-    """A JSONL file as a frame, one JSON object per non-blank line; a malformed line raises
-    `error` naming the file and its (1-based) line number."""
+def iter_jsonl(path: Path, error: type[Exception] = None):
+    """(1-based line number, object) for each non-blank line of a JSONL file; a malformed
+    line raises `error` naming the file and the line."""
     error = error or DatasetError
-    rows = []
     with open(path, encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
@@ -91,7 +91,13 @@ def read_jsonl(path: Path, error: type[Exception] = None) -> pl.DataFrame:
             if not isinstance(row, dict):
                 raise error(f"{path}: line {number} is a JSON {type(row).__name__}, not an object "
                             f'{{"problem": ..., "answer": ...}}')
-            rows.append(row)
+            yield number, row
+
+
+def read_jsonl(path: Path, error: type[Exception] = None) -> pl.DataFrame:
+    """A JSONL file as a frame, one JSON object per non-blank line (iter_jsonl)."""
+    error = error or DatasetError
+    rows = [row for _, row in iter_jsonl(path, error)]
     try:
         return pl.from_dicts(rows, infer_schema_length=None) if rows else pl.DataFrame()
     except Exception as exc:        # polars' type errors name no line: say which file
@@ -220,6 +226,26 @@ PLAIN_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answ
 def format_prompt(problem: str, style: str = "task") -> str:
     """The training prompt: the built-in task format, or the plain \\boxed{} instruction."""
     return (PLAIN_TEMPLATE if style == "plain" else PROMPT_TEMPLATE).format(problem=problem)
+
+
+def prompt_builder(kind: str, tokenizer) -> tuple[str, Callable[[str], str]]:
+    """(description of the template, problem -> prompt text) for a prompt kind: `chat` (the
+    model's chat template around the plain instruction; plain when it has none), `plain`,
+    or `task`. Evaluation and an imported pool (pool.prompt=chat) build chat prompts here,
+    so the two always agree."""
+    if kind == "chat" and getattr(tokenizer, "chat_template", None):
+        def chat(problem: str) -> str:
+            messages = [{"role": "user", "content": PLAIN_TEMPLATE.format(problem=problem)}]
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return f"chat template of the model, user turn: {shown(PLAIN_TEMPLATE)}", chat
+    if kind in ("chat", "plain"):
+        return f"plain: {shown(PLAIN_TEMPLATE)}", lambda problem: PLAIN_TEMPLATE.format(problem=problem)
+    return f"task: {shown(PROMPT_TEMPLATE)}", format_prompt
+
+
+def shown(template: str) -> str:
+    """A template as it reads, with {problem} kept and newlines visible."""
+    return template.format(problem="{problem}").replace("\n", "\\n")
 
 
 def format_target(answer: str) -> str:

@@ -27,12 +27,13 @@ from typing import Any, Iterator
 
 from pipeline import paths
 from pipeline.store import Manifest
-from pipeline import interrupt, services
+from pipeline import interrupt, pool_source, services
 from pipeline.grid import fmt, short_names
 
 EXPERIMENT = "ggpo-offline"
 EXPERIMENTS = {"offline": EXPERIMENT, "online": "ggpo-online"}
 ONLINE_STAGES = ("online_pool", "online_train", "online_policy")
+POOL_STAGES = ("filter", "pool_import", "score")     # their train_pool.parquet is logged as a dataset input
 ARTIFACT_LIMIT = 64 * 1024 * 1024     # larger files are referenced by path and hash
 # Without this tag MLflow 3's UI opens the experiment in its GenAI view (traces, sessions) and
 # files training runs under "Evaluation runs"; this value selects the model-training view.
@@ -225,7 +226,7 @@ def _log_stage(manifest: Manifest, run_name: str, parent_run_id: str | None = No
         if manifest.stage == "train" and parent_run_id:
             log_headline_curves(c, parent_run_id, run_name, metrics)
         log_files(c, run_id, manifest)
-        if manifest.stage == "filter":
+        if manifest.stage in POOL_STAGES:
             log_pool_dataset(c, run_id, manifest)
     except BaseException:
         c.set_terminated(run_id, "FAILED")
@@ -277,6 +278,23 @@ def log_pool_dataset(c, run_id: str, manifest: Manifest) -> None:
     ds = mlflow.data.from_polars(df, source=source, name=f"train_pool-{manifest.key[:16]}")
     c.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
                                                 tags=[InputTag("mlflow.data.context", "training")])])
+
+
+def log_source_dataset(c, run_id: str, pool_cfg) -> None:
+    """An imported pool's source (pool.source) as a dataset input of the flow's parent run:
+    its name, the digest that keys the import (file sha256, or dataset id with its
+    fingerprint; MLflow keeps 36 characters, the tag all 64) and its row count, from the
+    validated source the preflight already read."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    src = pool_source.load(pool_cfg)
+    if src.kind == "dataset":
+        name, source_type, where = pool_cfg.source, "hugging_face", {"path": pool_cfg.source}
+    else:
+        name, source_type, where = src.name, "local", {"uri": str(Path(src.name).resolve())}
+    entity = Dataset(name=f"pool source {name}", digest=src.digest[:36], source_type=source_type,
+                     source=json.dumps(where), profile=json.dumps({"num_rows": src.rows}))
+    c.log_inputs(run_id, datasets=[DatasetInput(entity, tags=[InputTag("mlflow.data.context", "training")])])
+    c.set_tag(run_id, "ggpo.pool_source_digest", src.digest)
 
 
 def log_round(trained: Manifest, pool: Manifest, run_id: str) -> None:

@@ -40,23 +40,11 @@ def eval_problems(cfg: PipelineConfig) -> list[benchmarks.BenchProblem]:
 
 
 def prompt_builder(cfg: PipelineConfig, tokenizer) -> tuple[str, callable]:
-    """(description of the template, problem -> prompt text)."""
+    """(description of the template, problem -> prompt text) for eval.prompt (tasks.prompt_builder)."""
     kind = cfg.eval.prompt
     if kind == "auto":
         kind = "chat" if cfg.eval.benchmarks else "task"
-    if kind == "chat" and getattr(tokenizer, "chat_template", None):
-        def chat(problem: str) -> str:
-            messages = [{"role": "user", "content": tasks.PLAIN_TEMPLATE.format(problem=problem)}]
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return f"chat template of the model, user turn: {shown(tasks.PLAIN_TEMPLATE)}", chat
-    if kind in ("chat", "plain"):
-        return f"plain: {shown(tasks.PLAIN_TEMPLATE)}", lambda problem: tasks.PLAIN_TEMPLATE.format(problem=problem)
-    return f"task: {shown(tasks.PROMPT_TEMPLATE)}", tasks.format_prompt
-
-
-def shown(template: str) -> str:
-    """A template as it reads, with {problem} kept and newlines visible."""
-    return template.format(problem="{problem}").replace("\n", "\\n")
+    return tasks.prompt_builder(kind, tokenizer)
 
 
 def generate(engine, prompts: list[str], cfg: PipelineConfig, desc: str = "evaluate") -> tuple[list, float]:

@@ -18,26 +18,33 @@ from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store
 
 
-def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
-    m = cfg.rollout.group_size
-    rewards = pl.read_parquet(inputs["verify"].path("rewards"), columns=["group", "sample", "reward", "status"])
-    rows = pl.read_parquet(inputs["rollout"].path("rollouts")).join(rewards, on=["group", "sample"], how="inner")
+def keep_mixed(rows: pl.DataFrame, m: int, where: str = "filter") -> tuple[pl.DataFrame, dict]:
+    """(the rows of mixed-reward groups sorted by group and sample, counts). `rows` has one
+    row per response with `group`, `sample`, `reward`; every group must hold m rows. The
+    imported pools (stages/pool_import.py) are filtered here too."""
     per_group = rows.group_by("group").agg(
-        pl.len().alias("n"), pl.col("reward").max().alias("hi"), pl.col("reward").min().alias("lo"),
-        (pl.col("reward") > 0.5).sum().alias("k"))
+        pl.len().alias("n"), pl.col("reward").max().alias("hi"), pl.col("reward").min().alias("lo"))
     bad = per_group.filter(pl.col("n") != m)
     if bad.height:
-        raise ValueError(f"filter: group {bad['group'][0]} has {bad['n'][0]} responses, "
+        raise ValueError(f"{where}: group {bad['group'][0]} has {bad['n'][0]} responses, "
                          f"expected rollout.group_size={m}")
     kept = per_group.filter(pl.col("hi") > pl.col("lo"))["group"]
     pool = rows.filter(pl.col("group").is_in(kept.implode())).sort(["group", "sample"])
-    n = write_parquet(pool.to_arrow(), TRAIN_POOL, folder / "train_pool.parquet")
+    same = per_group.filter(pl.col("lo") == pl.col("hi"))
     stats = {
         "groups_total": per_group.height, "groups_kept": kept.len(),
-        "groups_all_correct": per_group.filter((pl.col("lo") == pl.col("hi")) & (pl.col("hi") > 0.5)).height,
-        "groups_all_wrong": per_group.filter((pl.col("lo") == pl.col("hi")) & (pl.col("hi") <= 0.5)).height,
-        "responses_kept": n, "pool_mean_reward": float(pool["reward"].mean()) if n else 0.0,
+        "groups_all_correct": same.filter(pl.col("hi") > 0.5).height,
+        "groups_all_wrong": same.filter(pl.col("hi") <= 0.5).height,
+        "responses_kept": pool.height, "pool_mean_reward": float(pool["reward"].mean()) if pool.height else 0.0,
     }
+    return pool, stats
+
+
+def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
+    rewards = pl.read_parquet(inputs["verify"].path("rewards"), columns=["group", "sample", "reward", "status"])
+    rows = pl.read_parquet(inputs["rollout"].path("rollouts")).join(rewards, on=["group", "sample"], how="inner")
+    pool, stats = keep_mixed(rows, cfg.rollout.group_size)
+    n = write_parquet(pool.to_arrow(), TRAIN_POOL, folder / "train_pool.parquet")
     return Built(files={"train_pool": ("train_pool.parquet", n)}, summary=stats)
 
 

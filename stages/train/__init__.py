@@ -1,12 +1,14 @@
 """Stage `train`: one run of `train.method` on the fixed, filtered pool (spec 2, 7, 8.4).
 
 Reads `seed`, `train`, `rollout` (group size, sampling temperature); inputs `base` (pi_0,
-also the initial reference) and `pool` (the filter stage). Writes `model/` (an HF folder
-of the final policy), `metrics.parquet` (one row per update: loss, reward, entropy, grad
-norm, clip fraction, K3 to the reference, response length, tokens) and `checkpoints/`,
-which survive an interrupted build so that rerunning the same command resumes there, and
-`snapshots/update_NNNNN/` every `train.eval_every` updates for evaluation during training.
-Group order: `order.py`, the same for every method of a seed. Loss: `losses.py`.
+also the initial reference) and `pool` (the filter stage; for an imported pool
+pool_import or score, dag.pool_stages). A pool without behavior log-probs refuses the
+methods that need them, and on it the K3, |log rho| and ESS diagnostics are None. Writes
+`model/` (an HF folder of the final policy), `metrics.parquet` (one row per update: loss,
+reward, entropy, grad norm, clip fraction, K3 to the reference, response length, tokens)
+and `checkpoints/`, which survive an interrupted build so that rerunning the same command
+resumes there, and `snapshots/update_NNNNN/` every `train.eval_every` updates for
+evaluation during training. Group order: `order.py`, the same for every method of a seed. Loss: `losses.py`.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from stages.train import distributed, torchrun
 from pipeline.errors import TrainingError
 from stages.train.loop import load_pool, snapshot_files, train
 from stages.train.order import order_hash
+from pipeline.pool_source import behavior_refusal
 
 
 def check(cfg: PipelineConfig, pool_manifest: Manifest) -> None:
@@ -31,6 +34,8 @@ def check(cfg: PipelineConfig, pool_manifest: Manifest) -> None:
                             f"built with group_size={stored_m}")
     if pool_manifest.summary.get("groups_kept", 0) == 0:
         raise TrainingError(f"train: the pool {pool_manifest.path('train_pool')} has no mixed-reward groups")
+    if pool_manifest.summary.get("behavior_logprobs") == "none" and cfg.train.needs_behavior_logprobs():
+        raise TrainingError(behavior_refusal(cfg.train, pool_manifest.summary.get("source", "the imported pool")))
 
 
 def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
@@ -54,6 +59,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         summary={"method": tc.method, "seed": cfg.seed,     # the model: files["weights"] (model_path)
                  "t_ref": tc.refresh_every() or "fixed", "step_anchor": tc.needs_step_anchor(),
                  "updates": tc.updates, "pool_groups": len(pool.group_ids),
+                 "pool_behavior_logprobs": inputs["pool"].summary.get("behavior_logprobs", "sampled"),
                  "group_order_sha256": order_hash(tc.updates, tc.groups_per_update, pool.group_ids, cfg.seed),
                  "final_reward": rows[-1]["reward"], "final_loss": rows[-1]["loss"],
                  "tokens_per_second": sum(r["tokens"] for r in rows) / max(sum(r["seconds"] for r in rows), 1e-9),

@@ -39,6 +39,8 @@ from stages.train.reference import ReferenceCache
 
 
 log = logging.getLogger("ggpo")
+# the metrics that compare the learner with the behavior log-probs (ess too, per block)
+BEHAVIOR_DIAGNOSTICS = ("k3_mismatch", "abs_log_ratio", "max_abs_log_ratio")
 
 
 def policy_logprobs(model, batch: Batch, rt: Runtime, temperature: float, with_entropy: bool = False,
@@ -153,6 +155,8 @@ def run_update(model, reference, pool: Pool, groups: list[int], cfg: PipelineCon
             "success_ess": row.pop("success_ess_sum", 0.0) / count if count else None, "grad_norm": grad_norm,
             "reward": sum(pool.reward_means[g] for g in groups) / len(groups), "response_length": t_tot / n_seq,
             "tokens": t_tot}
+    if not pool.has_behavior:     # computed against zeros, not a behavior policy: left empty, not faked
+        row |= dict.fromkeys(BEHAVIOR_DIAGNOSTICS)
     return row
 
 
@@ -285,6 +289,7 @@ def one_update(st: TrainState, pool: Pool, groups: list[int], cfg: PipelineConfi
     ess = None
     if (u + 1) % tc.diagnostics_block == 0 or u + 1 == tc.updates:
         ess, st.block_s = normalized_ess(torch.tensor(st.block_s, dtype=torch.float64)), []
+        ess = ess if pool.has_behavior else None
     st.update = u + 1
     return row | {"update": u + 1, "lr": tc.lr, "seconds": time.perf_counter() - t0, "ess": ess,
                   "ref_refreshed": refresh}

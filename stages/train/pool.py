@@ -32,6 +32,9 @@ class Pool:
     lp_beh: list[list[list[float]]]      # [n_groups][m][len]
     rewards: torch.Tensor                # [n_groups, m] float64
     group_size: int
+    # False for a pool without behavior log-probs (an imported one): lp_beh holds zeros, so the
+    # diagnostics that compare the learner with the behavior policy (K3, |log rho|, ESS) are None
+    has_behavior: bool = True
     _behavior: dict = field(default_factory=dict, repr=False)    # group -> [m, T_g] tensor
     # mean reward per group, host floats: the trainer's reward metric reads no tensor
     reward_means: list[float] = field(init=False, repr=False)
@@ -58,7 +61,7 @@ def load_pool(path: Path, group_size: int, need_behavior: bool = True) -> Pool:
     if missing.height and need_behavior:
         raise TrainingError(f"{path}: row (group {missing['group'][0]}, sample {missing['sample'][0]}) has no "
                             "behavior_logprobs, which this method needs (GRPO's behavior anchor, GRPO+TIS)")
-    if missing.height:   # AGRO / GGPO never read lp_beh; mismatch diagnostics become meaningless
+    if missing.height:   # AGRO / GGPO never read lp_beh; the mismatch diagnostics become None (has_behavior)
         df = df.with_columns(pl.when(pl.col("behavior_logprobs").is_null())
                              .then(pl.col("response_token_ids").list.eval(pl.element() * 0.0))
                              .otherwise(pl.col("behavior_logprobs")).alias("behavior_logprobs"))
@@ -77,7 +80,8 @@ def load_pool(path: Path, group_size: int, need_behavior: bool = True) -> Pool:
         group_ids=df["group"].to_list()[::m], prompt_ids=prm[::m],
         responses=[resp[j * m:(j + 1) * m] for j in range(n)],
         lp_beh=[lpb[j * m:(j + 1) * m] for j in range(n)],
-        rewards=torch.tensor(df["reward"].to_list(), dtype=torch.float64).view(n, m), group_size=m)
+        rewards=torch.tensor(df["reward"].to_list(), dtype=torch.float64).view(n, m), group_size=m,
+        has_behavior=missing.height == 0)
 
 
 # A behavior log-prob of -inf (a token the engine gave zero probability, e.g. under
