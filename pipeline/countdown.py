@@ -53,17 +53,22 @@ class ParseError(ValueError):
 
 # ---------------------------------------------------------------- problems
 
+def join(op: str, a: str, pa: int, b: str, pb: int) -> str:
+    """`a op b` with the parentheses its operands of precedence pa, pb need (a - (b - c))."""
+    if pa < _PREC[op]:
+        a = f"({a})"
+    if pb < _PREC[op] or (pb == _PREC[op] and op == "-"):
+        b = f"({b})"
+    return f"{a}{op}{b}"
+
+
 def render(tree) -> tuple[str, int]:
     """(text with the fewest parentheses, precedence) of a tree: an int or (op, left, right)."""
     if isinstance(tree, int):
         return str(tree), 9
     op, left, right = tree
     (a, pa), (b, pb) = render(left), render(right)
-    if pa < _PREC[op]:
-        a = f"({a})"
-    if pb < _PREC[op] or (pb == _PREC[op] and op == "-"):
-        b = f"({b})"
-    return f"{a}{op}{b}", _PREC[op]
+    return join(op, a, pa, b, pb), _PREC[op]
 
 
 def value(tree) -> int:
@@ -109,10 +114,7 @@ def _trees(numbers: tuple[int, ...]) -> tuple[tuple[str, int, int], ...]:
     for cut in range(1, len(numbers)):
         for (a, pa, va), (b, pb, vb) in itertools.product(_trees(numbers[:cut]), _trees(numbers[cut:])):
             for op in OPS:
-                left = f"({a})" if pa < _PREC[op] else a
-                right = f"({b})" if pb < _PREC[op] or (pb == _PREC[op] and op == "-") else b
-                v = va + vb if op == "+" else va - vb if op == "-" else va * vb
-                out.append((f"{left}{op}{right}", _PREC[op], v))
+                out.append((join(op, a, pa, b, pb), _PREC[op], value((op, va, vb))))
     return tuple(out)
 
 
