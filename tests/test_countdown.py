@@ -123,3 +123,15 @@ def test_task_splits_and_warm_up_targets():
     in_order = sum("".join(c for c in boxed if c.isdigit()) == problem.split(">")[0].replace(" ", "")
                    for problem, boxed in pairs)
     assert in_order / len(pairs) < 0.4
+
+
+def test_base_group_statistics():
+    """mean@m, the share of mixed groups and distinct correct responses per group with a success."""
+    from stages.base import group_stats
+    groups = [[(r"\boxed{3*5+7}", 1.0), (r"\boxed{7+5*3}", 1.0), (r"\boxed{3*5+7}", 1.0), ("x", 0.0)],
+              [("x", 0.0)] * 4,
+              [(r"\boxed{1}", 1.0)] * 4]
+    stats = group_stats(groups)
+    assert stats["check_mean_at_4"] == 7 / 12
+    assert stats["check_mixed_fraction"] == 1 / 3
+    assert stats["check_distinct_correct"] == (2 + 1) / 2
