@@ -1,5 +1,11 @@
 """Verifiable reward: math-verify against the reference answer(s), with a time limit.
 
+A task may bring its own grader (TASK_GRADERS): a reference answer that starts with its
+prefix (`countdown:3 5 7=22`, pipeline/countdown.py) is graded by it instead of
+math-verify, in the same call, worker pool, CPU-time limit and status codes. The prefix is
+part of the data, so a prompt file whose answers carry it is graded the same way, and
+every stage that grades (verify, online_pool, evaluate, base) needs no task switch.
+
 Status codes: `ok` (parsed and compared; reward 1 or 0), `no_answer` (no `\\boxed`),
 `parse_error` (a box math-verify cannot parse), `timeout` (over the per-response limit).
 Only `ok` can earn reward 1. math-verify's own signal timeouts are disabled and replaced
@@ -55,7 +61,7 @@ from collections import Counter
 from functools import lru_cache
 from typing import Callable, NamedTuple
 
-from pipeline import interrupt
+from pipeline import countdown, interrupt
 
 STATUSES = ("ok", "no_answer", "parse_error", "timeout")
 STUCK_GRACE_S = 2.0     # added to the wall-clock safety net (the timer repeats every 20 ms of CPU)
@@ -109,7 +115,14 @@ def _gold(answer: str):
     return parse(f"\\boxed{{{answer}}}", parsing_timeout=None)
 
 
+# reference prefix -> grader(response, reference) -> (reward, status), for tasks graded by meaning
+TASK_GRADERS: dict[str, Callable[[str, str], tuple[float, str]]] = {countdown.PREFIX: countdown.grade}
+
+
 def _grade_untimed(response: str, answers: tuple[str, ...]) -> tuple[float, str]:
+    for prefix, task_grade in TASK_GRADERS.items():
+        if answers and answers[0].startswith(prefix):
+            return task_grade(response, answers[0])
     from math_verify import parse, verify
     if "\\boxed" not in response:
         return 0.0, "no_answer"

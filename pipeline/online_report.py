@@ -12,8 +12,11 @@ seeds; ± is the sample std (ddof 1) where there is more than one seed.
 - refresh.md/csv (Table 2): final accuracy against t_ref, when it has more than one.
 - figure1.png: K3 mismatch, entropy and accuracy against updates.
 - figure2.png: cumulative generated responses against updates; accuracy against them.
-- diagnostics.md/csv, figure7.png: K3, sequence ESS, entropy and response length
-  averaged over the last quarter of each run's updates, against N.
+- diagnostics.md/csv, figure7.png: averaged over the last quarter of each run's updates,
+  per cell (and against N in the figure): K3, sequence ESS, the mean sequence log ratio to
+  the reference `mean_ell` and the entropy (seed Table 7's two rows, there over the last
+  800 of 8,000 updates), the within-success ESS of the GGPO weights `success_ess` (seed
+  Figure 9; groups with at least two successes, at the cell's beta) and response length.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from pipeline.config import PipelineConfig
 from pipeline.report import cell as fmt_cell
 
 KEYS = ("method", "cell", "N", "t_ref")
-DIAGNOSTICS = ("k3_mismatch", "ess", "entropy", "response_length")
+DIAGNOSTICS = ("k3_mismatch", "ess", "mean_ell", "entropy", "success_ess", "response_length")
 
 
 def columns(cell: grid.Cell, cfg: PipelineConfig) -> dict[str, Any]:
@@ -196,7 +199,7 @@ def figures(evals: pl.DataFrame, curves: pl.DataFrame, diag: pl.DataFrame, folde
         ns = sorted(diag["N"].unique().to_list())
         agg = _agg(finals(evals).with_columns(line_label(evals)), ["line", "N"])
         diag = diag.with_columns(line_label(diag))
-        fig, axes = plt.subplots(1, 1 + len(DIAGNOSTICS), figsize=(20, 4))
+        fig, axes = plt.subplots(1, 1 + len(DIAGNOSTICS), figsize=(3.3 * (1 + len(DIAGNOSTICS)), 4))
         for ax, (frame, y) in zip(axes, [(agg, "mean")] + [(diag, d) for d in DIAGNOSTICS]):
             for name in frame["line"].unique(maintain_order=True).to_list():
                 sub = frame.filter(pl.col("line") == name).sort("N")

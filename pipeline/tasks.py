@@ -1,12 +1,16 @@
 """Built-in verifiable tasks and file-backed prompt sets, in one row schema (id, problem, answer).
 
 Built-in families (`task.name`), each with a difficulty knob and deterministic train and
-eval splits from `task.split_seed`; answers are integers written as `\\boxed{N}` so
-math-verify grades them:
+eval splits from `task.split_seed`; the first two have one correct answer, an integer
+written as `\\boxed{N}` that math-verify grades:
 - `digit_sort`: sort a string of digits 1-9 ascending (lengths 3+2d .. 5+2d). Digits
   exclude 0 so the sorted string is an integer whose value pins the exact string: a
   dropped leading zero can never be graded correct.
 - `arithmetic`: a op b with op in + - x; d-digit operands (x: d-digit by 1-digit).
+- `countdown`: reach a target from 2 + d numbers (at most 5) with + - x, each number once
+  (`3 5 7>22` -> `\\boxed{3*5+7}`, `\\boxed{7+5*3}`, ...): many correct responses per
+  prompt. Its reference answer `countdown:3 5 7=22` routes grading to the task's own
+  verifier, which checks the expression's meaning (pipeline/countdown.py).
 Any other `task.name` is a path to a Parquet or JSONL file with `problem` and `answer`
 columns (`id` optional; a relative path is looked up from the working directory, then
 the project root, `paths.project_file`); the splits are a seeded permutation of its rows.
@@ -27,13 +31,14 @@ from typing import Callable
 
 import polars as pl
 
+from pipeline import countdown
 from pipeline.config import TaskConfig
 from pipeline.errors import DatasetError
 from pipeline.paths import project_file
 from pipeline.store import sha256_cached
 from pipeline.seeding import permutation, py_random
 
-BUILTIN = ("digit_sort", "arithmetic")
+BUILTIN = ("digit_sort", "arithmetic", "countdown")
 SKIP_LIMIT = 0.01       # a file with more unusable rows than this share is refused
 log = logging.getLogger("ggpo")
 PROMPT_TEMPLATE = "Q:{problem}\nA:"   # the tiny model's format: short, no chat template
@@ -47,17 +52,26 @@ class Problem:
 
 
 def make_problem(name: str, difficulty: int, rng) -> tuple[str, str]:
+    """(problem, reference answer) of a built-in task from the random stream `rng`."""
+    return draw(name, difficulty, rng)[:2]
+
+
+def draw(name: str, difficulty: int, rng) -> tuple[str, str, str]:
+    """(problem, reference answer, a correct box content): the box content is the answer
+    itself except for countdown, where it is one random solution of many."""
     if name == "digit_sort":
         length = rng.randint(3 + 2 * difficulty, 5 + 2 * difficulty)
         digits = "".join(rng.choice("123456789") for _ in range(length))
-        return digits, "".join(sorted(digits))
+        return digits, "".join(sorted(digits)), "".join(sorted(digits))
     if name == "arithmetic":
         lo, hi = 10 ** (difficulty - 1), 10 ** difficulty - 1
         op = rng.choice("+-*")
         a = rng.randint(lo, hi)
         b = rng.randint(1, 9) if op == "*" else rng.randint(lo, hi)
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        return f"{a}{op}{b}", str(value)
+        return f"{a}{op}{b}", str(value), str(value)
+    if name == "countdown":
+        return countdown.make(difficulty, rng)
     raise DatasetError(f"unknown built-in task '{name}'; known: {', '.join(BUILTIN)}")
 
 
@@ -212,12 +226,13 @@ def splits(cfg: TaskConfig) -> dict[str, list[Problem]]:
 
 
 def sft_stream(cfg: TaskConfig, exclude: set[str]):
-    """Endless fresh problems for the warm-up (never an eval problem)."""
+    """Endless fresh (problem, box content) pairs for the warm-up (never an eval problem):
+    the box content is a correct response's, for countdown a random one of many."""
     rng = py_random(cfg.split_seed, f"task/{cfg.name}/d{cfg.difficulty}/sft")
     while True:
-        problem, answer = make_problem(cfg.name, cfg.difficulty, rng)
+        problem, _, boxed = draw(cfg.name, cfg.difficulty, rng)
         if problem not in exclude:
-            yield problem, answer
+            yield problem, boxed
 
 
 PLAIN_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."

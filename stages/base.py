@@ -8,7 +8,12 @@ supervised learning on fresh task problems (never eval problems): token cross-en
 `sft_check_every` steps it samples `check_samples` answers (T = 1) for `check_prompts`
 training prompts and stops once the sampled accuracy reaches `target_accuracy`: the model
 is then uncertain rather than wrong (greedy above sampled), which is the room RL needs
-(../shared/tiny-model-notes.md). Deterministic on CPU for a given config.
+(../shared/tiny-model-notes.md). The SFT target is a correct response (for countdown a random
+one of many per problem, tasks.sft_stream, so the warm-up teaches variety). The summary
+reports, for the check prompts with GROUP_CHECK = 8 samples each at T = 1, what RL will see:
+mean@8, the share of mixed groups, and the mean number of distinct correct responses per
+group with a success (`check_mean_at_8`, `check_mixed_fraction`, `check_distinct_correct`).
+Deterministic on CPU for a given config.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from pipeline.tiny_model import build_model, build_tokenizer, save
 import pyarrow as pa
 from stages.train.policy import make_batch, token_logprobs
 
+GROUP_CHECK = 8      # samples per check prompt for the final group statistics (mean@8)
 SFT_LOG = pa.schema([("step", pa.int32()), ("loss", pa.float64()), ("lr", pa.float64()),
                      ("sampled_accuracy", pa.float64())])
 
@@ -43,13 +49,32 @@ def lr_at(step: int, cfg: ModelConfig) -> float:
     return cfg.sft_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def accuracy(engine, problems: list[tuple[str, str]], n: int, temperature: float, seed: int) -> float:
+def sample_groups(engine, problems: list[tuple[str, str]], n: int, temperature: float,
+                  seed: int) -> list[list[tuple[str, float]]]:
+    """n graded samples per problem: one list of (response text, reward) per problem."""
     prompts = [tasks.format_prompt(problem) for problem, _ in problems]
     outs = engine.generate(prompts, SamplingParams(n, temperature, 1.0, 24, seed, logprobs=False))
     texts = [c.text for group in outs for c in group]
     answers = [(answer,) for (_, answer), group in zip(problems, outs) for _ in group]
-    rewards = [g[0] for g in grade_many(texts, answers, 5.0, workers=1)]
+    rewards = iter(g[0] for g in grade_many(texts, answers, 5.0, workers=1))
+    return [[(c.text, next(rewards)) for c in group] for group in outs]
+
+
+def accuracy(engine, problems: list[tuple[str, str]], n: int, temperature: float, seed: int) -> float:
+    rewards = [r for group in sample_groups(engine, problems, n, temperature, seed) for _, r in group]
     return sum(rewards) / len(rewards)
+
+
+def group_stats(groups: list[list[tuple[str, float]]]) -> dict[str, float]:
+    """What RL will see of the base policy (issue #17): mean@m, the share of mixed groups
+    (0 < successes < m: the ones training keeps) and the mean number of distinct correct
+    responses in a group with a success (1 on a task with one right string)."""
+    m = len(groups[0])
+    wins = [[text for text, r in group if r > 0.5] for group in groups]
+    solved = [w for w in wins if w]
+    return {f"check_mean_at_{m}": sum(map(len, wins)) / (m * len(groups)),
+            "check_mixed_fraction": sum(0 < len(w) < m for w in wins) / len(groups),
+            "check_distinct_correct": sum(len(set(w)) for w in solved) / len(solved) if solved else 0.0}
 
 
 def sft_step(model, opt, tok, batch: list[tuple[str, str]], lr: float) -> float:
@@ -98,13 +123,14 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
             if acc >= mc.target_accuracy:
                 break
     greedy = accuracy(engine, check, 1, 0.0, 0)
+    groups = group_stats(sample_groups(engine, check, GROUP_CHECK, 1.0, derive_seed(mc.init_seed, "sft/groups")))
     tmp = folder / "model.tmp"
     save(model, tok, tmp)
     tmp.rename(folder / "model")
     rows = write_parquet(log, SFT_LOG, folder / "sft.parquet")
     summary = {"sft_steps": step,     # the model: files["weights"] (model_path), no absolute path
                "check_sampled_accuracy": acc, "check_greedy_accuracy": greedy,
-               "parameters": sum(p.numel() for p in model.parameters())}
+               "parameters": sum(p.numel() for p in model.parameters()), **groups}
     return {"sft_log": ("sft.parquet", rows), "weights": ("model/model.safetensors", None),
             "model_config": ("model/config.json", None), "tokenizer": ("model/tokenizer.json", None)}, summary
 

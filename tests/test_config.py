@@ -10,6 +10,15 @@ def test_presets_load_and_tiny_uses_digit_sort():
     assert cfg.train.beta == 0.01 and cfg.train.eps_low == 0.2 and cfg.train.dual_clip == 3.0
 
 
+def test_tiny_regime_is_the_online_loop_on_countdown_with_refresh_for_every_method():
+    from pipeline import grid
+    cfg = load_config("tiny-regime")
+    assert cfg.experiment.flow == "online" and cfg.task.name == "countdown" and cfg.train.updates == 100
+    cells = grid.cells(cfg)
+    assert [c.method for c in cells] == ["grpo", "grpo_tis", "agro", "ggpo"]
+    assert {c.config.train.refresh_every() for c in cells} == {20}
+
+
 def test_overrides_from_cli_strings_and_dict():
     cfg = load_config("tiny", ["train.lr=2e-5", "eval.limit=20", "seed=7"])
     assert cfg.train.lr == 2e-5 and cfg.eval.limit == 20 and cfg.seed == 7

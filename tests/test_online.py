@@ -143,7 +143,8 @@ def test_report_tables_against_n_and_t_ref(tmp_path):
                 evals += [{"method": method, "cell": cell, "N": n, "t_ref": t_ref, "seed": seed, "update": u,
                            "accuracy": a} for u, a in ((0, 0.4), (4, 0.45), (8, final))]
                 curves += [{"method": method, "cell": cell, "N": n, "t_ref": t_ref, "seed": seed, "update": u,
-                            "k3_mismatch": 1e-4 * n, "ess": 1.0, "entropy": 0.2, "response_length": 15.0,
+                            "k3_mismatch": 1e-4 * n, "ess": 1.0, "entropy": 0.1 * u, "response_length": 15.0,
+                            "mean_ell": 0.5 * u + (method == "ggpo"), "success_ess": None if u % 2 else 0.9 - 0.1 * n,
                             "responses_generated": 256 * u} for u in range(1, 9)]
     table, paths = online_report.write(pl.DataFrame(evals), pl.DataFrame(curves), tmp_path, "mean@8")
     staleness = pl.read_csv(tmp_path / "staleness.csv")
@@ -153,6 +154,12 @@ def test_report_tables_against_n_and_t_ref(tmp_path):
     assert not (tmp_path / "refresh.csv").exists()      # t_ref differs only between methods: nothing to compare
     diag = pl.read_csv(tmp_path / "diagnostics.csv")
     assert diag.filter((pl.col("method") == "ggpo") & (pl.col("N") == 4))["k3_mismatch"][0] == pytest.approx(4e-4)
+    # seed Table 7 / Figure 9 columns over the last quarter (updates 7 and 8); success_ess
+    # skips the updates without a group of two successes (null), never counts them as 0
+    ggpo1 = diag.filter((pl.col("method") == "ggpo") & (pl.col("N") == 1)).row(0, named=True)
+    assert ggpo1["mean_ell"] == pytest.approx(1 + 0.5 * 7.5) and ggpo1["entropy"] == pytest.approx(0.75)
+    assert ggpo1["success_ess"] == pytest.approx(0.8)
+    assert "| method | cell | N | t_ref | k3_mismatch | ess | mean_ell | entropy | success_ess | response_length |" in table
     assert {p.name for p in paths} >= {"figure1.png", "figure2.png", "figure3_7.png", "final.csv", "report.md"}
 
 

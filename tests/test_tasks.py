@@ -11,7 +11,7 @@ from pipeline.errors import DatasetError
 from pipeline.tasks import load_file, splits
 
 
-@pytest.mark.parametrize("name", ["digit_sort", "arithmetic"])
+@pytest.mark.parametrize("name", ["digit_sort", "arithmetic", "countdown"])
 @pytest.mark.parametrize("difficulty", [1, 2])
 def test_splits_deterministic_disjoint_and_correct(name, difficulty):
     cfg = TaskConfig(name=name, difficulty=difficulty, n_train=100, n_eval=50)
@@ -21,6 +21,8 @@ def test_splits_deterministic_disjoint_and_correct(name, difficulty):
     for p in a["train"] + a["eval"]:
         if name == "digit_sort":
             assert p.answer == "".join(sorted(p.problem)) and "0" not in p.problem
+        elif name == "countdown":       # the reference names the problem's numbers and target
+            assert p.answer == "countdown:" + p.problem.replace(">", "=")
         else:
             assert int(p.answer) == eval(p.problem)
     assert splits(TaskConfig(name=name, difficulty=difficulty, n_train=100, n_eval=50, split_seed=1)) != a
