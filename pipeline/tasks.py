@@ -184,6 +184,7 @@ def _parse_task_file(path: Path) -> TaskFile:
             skipped.append(str(pid))
             first_bad = first_bad or f"row {i} (id {pid}) has no {missing[0]}"
             continue
+        check_reference(path, i, pid, str(answer))
         rows.append(Problem(str(pid), str(problem), str(answer)))
     if len(skipped) > SKIP_LIMIT * len(ids) or not rows:
         raise DatasetError(f"{path}: {len(skipped)} of {len(ids)} rows have no usable problem or answer "
@@ -191,6 +192,18 @@ def _parse_task_file(path: Path) -> TaskFile:
     if len({r.id for r in rows}) != len(rows):
         raise DatasetError(f"{path}: column 'id' has repeated values")
     return TaskFile(rows, len(ids), skipped)
+
+
+def check_reference(path: Path, i: int, pid, answer: str) -> None:
+    """A reference that routes to a task's own grader (`countdown:3 5 7=22`) must parse, or
+    every response to it would grade as a parse error: the row is named instead."""
+    if answer.startswith(countdown.PREFIX):
+        try:
+            numbers, target = countdown.parse_reference(answer)
+            assert numbers and all(1 <= n <= 10**countdown.MAX_DIGITS for n in numbers)
+        except (ValueError, AssertionError):
+            raise DatasetError(f"{path}: row {i} (id {pid}), field 'answer': '{answer[:60]}' is not a countdown "
+                               f"reference ('countdown:3 5 7=22': numbers, '=', the target)") from None
 
 
 def load_file(path: str | Path) -> list[Problem]:

@@ -135,3 +135,15 @@ def test_base_group_statistics():
     assert stats["check_mean_at_4"] == 7 / 12
     assert stats["check_mixed_fraction"] == 1 / 3
     assert stats["check_distinct_correct"] == (2 + 1) / 2
+
+
+@pytest.mark.parametrize("answer", ["countdown:3 5 x=22", "countdown:3 5 7", "countdown:=22", "countdown:3 5 7=2.5"])
+def test_a_malformed_countdown_reference_in_a_task_file_names_the_row(tmp_path, answer):
+    import polars as pl
+    from pipeline import tasks
+    from pipeline.errors import DatasetError
+    path = tmp_path / "t.parquet"
+    pl.DataFrame({"id": ["a", "b"], "problem": ["Q:3 5 7>22\nA:", "Q:1 2>3\nA:"],
+                  "answer": ["countdown:3 5 7=22", answer]}).write_parquet(path)
+    with pytest.raises(DatasetError, match=r"t\.parquet: row 1 \(id b\), field 'answer': .* is not a countdown reference"):
+        tasks.load_file(path)
