@@ -29,7 +29,6 @@ cell.json written last: the round it closes and that round's key).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -55,7 +54,7 @@ from pipeline.store import Manifest, Store, model_path, write_text_atomic
 from stages import online_policy, online_pool, online_train
 from stages.train import checkpoint, distributed
 from stages.train.loop import TrainState, new_state, reference_refreshed, resume, save_policy
-from stages.train.torchrun import last_error, torchrun_argv
+from stages.train.torchrun import last_error, rank_setup, torchrun_argv
 
 log = logging.getLogger("ggpo")
 STATE = "online_cell"       # the state folder's name: <cache root>/online_cell-<key16>/
@@ -351,17 +350,7 @@ def launch(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -> 
 
 def main(argv: list[str] | None = None) -> None:
     """One rank of a cell under torchrun."""
-    ap = argparse.ArgumentParser(prog="python -m stages.online_cell")
-    for name in ("--config", "--store", "--base", "--counts"):
-        ap.add_argument(name, required=True)
-    args = ap.parse_args(argv)
-    cfg = PipelineConfig.model_validate(json.loads(Path(args.config).read_text()))
-    torch.set_num_threads(cfg.model.threads)
-    d = distributed.init(cfg.train.device)
-    if d.is_main:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-    else:
-        os.environ["GGPO_PROGRESS"] = "0"      # one progress display: rank 0's
+    args, cfg, d = rank_setup("stages.online_cell", ("--config", "--store", "--base", "--counts"), argv)
     try:
         store = Store(args.store)
         counts = run_cell(cfg, store, store.load("base", args.base))

@@ -13,10 +13,14 @@ def test_presets_load_and_tiny_uses_digit_sort():
 def test_tiny_regime_is_the_online_loop_on_countdown_with_refresh_for_every_method():
     from pipeline import grid
     cfg = load_config("tiny-regime")
-    assert cfg.experiment.flow == "online" and cfg.task.name == "countdown" and cfg.train.updates == 100
+    assert cfg.experiment.flow == "online" and cfg.task.name == "countdown" and cfg.train.updates == 128
     cells = grid.cells(cfg)
     assert [c.method for c in cells] == ["grpo", "grpo_tis", "agro", "ggpo"]
     assert {c.config.train.refresh_every() for c in cells} == {20}
+    # the staleness ladder of its header passes the online geometry checks (N = 64 included)
+    from pipeline.preflight import check_run
+    _, ladder = check_run("online", "tiny-regime", {"experiment.grid": {"train.updates_per_step": [1, 4, 16, 64]}})
+    assert sorted({c.config.train.updates_per_step for c in ladder}) == [1, 4, 16, 64] and len(ladder) == 16
 
 
 def test_overrides_from_cli_strings_and_dict():

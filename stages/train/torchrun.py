@@ -77,19 +77,26 @@ def last_error(stderr: str) -> str:
     return ""
 
 
-def main(argv: list[str] | None = None) -> None:
-    """One rank: the single-process loop with the rank context set up first."""
-    ap = argparse.ArgumentParser(prog="python -m stages.train.torchrun")
-    for name in ("--config", "--base", "--pool", "--folder"):
+def rank_setup(module: str, names: tuple[str, ...], argv: list[str] | None):
+    """One rank's start: its arguments (each required), the config, torch threads, the
+    process group joined (distributed.init); rank 0 logs, the others show no progress."""
+    ap = argparse.ArgumentParser(prog=f"python -m {module}")
+    for name in names:
         ap.add_argument(name, required=True)
     args = ap.parse_args(argv)
     cfg = PipelineConfig.model_validate(json.loads(Path(args.config).read_text()))
     torch.set_num_threads(cfg.model.threads)
     d = init(cfg.train.device)
-    if not d.is_main:
-        os.environ["GGPO_PROGRESS"] = "0"      # one progress display: rank 0's
     if d.is_main:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
+    else:
+        os.environ["GGPO_PROGRESS"] = "0"      # one progress display: rank 0's
+    return args, cfg, d
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One rank: the single-process loop with the rank context set up first."""
+    args, cfg, d = rank_setup("stages.train.torchrun", ("--config", "--base", "--pool", "--folder"), argv)
     try:
         pool = load_pool(Path(args.pool), cfg.rollout.group_size, cfg.train.needs_behavior_logprobs())
         train(cfg, pool, args.base, load_tokenizer(args.base), Path(args.folder))
