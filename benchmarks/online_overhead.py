@@ -9,8 +9,9 @@ the base model excluded).
 
 Each (model, N, code) runs in its own process on its own cache, all from the same base
 model (built once, copied), one method, no evaluation, no Prefect or MLflow (the loop
-itself: both versions log the same per round). Round 0 is not timed (it includes start-up);
-per round = (end of the last round - end of round 0) / (rounds - 1). Models: the built-in
+itself: both versions log the same per round). Per round: the mean over rounds 1 .. R-2
+(round 0 includes start-up; the last round's end-of-run writes are shown apart), the
+resident cell's rolling checkpoint amortized over its interval. Models: the built-in
 tiny model (tiny-online preset) and a ~50 M-parameter one (hidden 512, 12 layers,
 intermediate 2048; G_mb = 4 so a CPU round stays short).
 
@@ -37,10 +38,13 @@ MODELS = {
             "model.target_accuracy": 0.2, "model.sft_check_every": 20},
 }
 
-# runs inside either checkout (its own pipeline/ and stages/ on sys.path)
+# runs inside either checkout (its own pipeline/ and stages/ on sys.path); prints per round r
+# its wall time (end of round r-1 to end of round r), its work and, for the resident cell,
+# the seconds its rolling checkpoint took in that round (0 in most rounds)
 DRIVER = r'''
 import json, sys, time
 from pathlib import Path
+import polars as pl
 from pipeline import dag
 from pipeline.config import load_config
 from pipeline.store import Store
@@ -49,37 +53,41 @@ cfg = load_config(a["preset"], a["overrides"])
 store = Store(a["cache"])
 base = store.load("base", dag.expected_key("base", cfg))
 assert base is not None, "the base model was not copied in: its key differs between the checkouts"
-rounds, ends, counts = cfg.train.updates // cfg.train.updates_per_step, [], {}
-if Path("stages/online_cell.py").exists():      # this checkout's (stages/ may be a namespace package)
-    from stages.online_cell import run_cell
-    counts = run_cell(cfg, store, base, on_round=lambda r, pool, trained: ends.append(time.perf_counter()))
-else:
+rounds, ends, ckpt, every = cfg.train.updates // cfg.train.updates_per_step, [], {}, 0
+if Path("stages/online_cell.py").exists():      # this checkout's (the resident cell)
+    from stages import online_cell
+    save = online_cell.save_cell_checkpoint
+
+    def timed_save(cell, r, st):
+        t0 = time.perf_counter()
+        save(cell, r, st)
+        ckpt[r] = time.perf_counter() - t0
+    online_cell.save_cell_checkpoint = timed_save
+    every = cfg.online.checkpoint_rounds(cfg.train)
+    online_cell.run_cell(cfg, store, base, on_round=lambda r, pool, trained: ends.append(time.perf_counter()))
+else:                                           # per-round stages: the flow's calls
     prev = None
     for r in range(rounds):
         c = cfg.updated({"online.round": r})
         pool = dag.run("online_pool", c, {"policy": prev or base}, store)
         prev = dag.run("online_train", c, {"base": base, "pool": pool} | ({"state": prev} if prev else {}), store)
         ends.append(time.perf_counter())
-import polars as pl
-work = {"sampling": 0.0, "grading": 0.0, "updates": 0.0}
+import stages.online_pool
+assert stages.online_pool.__file__.startswith(str(Path.cwd())), stages.online_pool.__file__
+per_round = []
 for r in range(1, rounds):
     keys = dag.online_keys(cfg, r)
     pool, trained = store.load("online_pool", keys["online_pool"]), store.load("online_train", keys["online_train"])
-    work["sampling"] += pool.summary["generate_seconds"]
-    work["grading"] += pool.summary["grade_seconds"]
-    work["updates"] += float(pl.read_parquet(trained.path("metrics"))["seconds"].sum())
+    per_round.append({"wall": ends[r] - ends[r - 1], "sampling": pool.summary["generate_seconds"],
+                      "grading": pool.summary["grade_seconds"],
+                      "updates": float(pl.read_parquet(trained.path("metrics"))["seconds"].sum()),
+                      "checkpoint": ckpt.get(r, 0.0)})
 heavy = sum(p.stat().st_size for p in Path(a["cache"]).rglob("*") if p.is_file() and p.suffix in (".safetensors", ".pt")
             and not p.relative_to(a["cache"]).parts[0].startswith("base-"))
-n = rounds - 1
-import stages.online_pool
-assert stages.online_pool.__file__.startswith(str(Path.cwd())), stages.online_pool.__file__
-print("RESULT " + json.dumps({"wall": (ends[-1] - ends[0]) / n, **{k: v / n for k, v in work.items()},
-                              "heavy": heavy, "rounds": rounds,
-                              "sync": counts.get("sync_seconds", 0.0) / max(1, counts.get("rounds_sampled", 1)),
-                              "checkpoints": counts.get("checkpoints_written", 0),
-                              "checkpoint_s": counts.get("checkpoint_seconds", 0.0),
-                              "params": sum(t.numel() for t in __import__("safetensors.torch").torch.load_file(
-                                  str(Path(base.folder) / "model" / "model.safetensors")).values())}))
+from safetensors.torch import load_file
+params = sum(t.numel() for t in load_file(str(Path(base.folder) / "model" / "model.safetensors")).values())
+print("RESULT " + json.dumps({"rounds": per_round, "every": every, "heavy": heavy, "params": params,
+                              "checkpoint_each": (sum(ckpt.values()) / len(ckpt)) if ckpt else 0.0}))
 '''
 
 
@@ -94,8 +102,9 @@ def checkout(rev: str, into: Path) -> Path:
     return into
 
 
-def build_base(preset: str, overrides: dict, cache: Path) -> Path:
-    """pi_0 for this model size, built once with this checkout; its folder."""
+def build_base(preset: str, overrides: dict) -> Path:
+    """pi_0 for this model size, built once with this checkout in the project's cache (a later
+    run of this benchmark reuses it); its folder."""
     import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     sys.path.insert(0, str(REPO))
@@ -103,7 +112,19 @@ def build_base(preset: str, overrides: dict, cache: Path) -> Path:
     from pipeline.config import load_config
     from pipeline.store import Store
     cfg = load_config(preset, overrides)
-    return Path(dag.run("base", cfg, {}, Store(cache)).folder)
+    return Path(dag.run("base", cfg, {}, Store()).folder)
+
+
+def steady(r: dict) -> dict:
+    """Per-round means over the steady rounds (1 .. R-2: round 0 includes start-up, the last
+    the end-of-run writes), the resident cell's checkpoint amortized over its interval; and
+    the last round's extra overhead (paid once)."""
+    rows, last = r["rounds"][:-1], r["rounds"][-1]
+    mean = {k: sum(x[k] for x in rows) / len(rows) for k in rows[0]}
+    work = mean["sampling"] + mean["grading"] + mean["updates"]
+    over = mean["wall"] - work - mean["checkpoint"] + (r["checkpoint_each"] / r["every"] if r["every"] else 0.0)
+    end = last["wall"] - last["sampling"] - last["grading"] - last["updates"] - over
+    return mean | {"work": work, "overhead": over, "wall": work + over, "end": end}
 
 
 def run(tree: Path, preset: str, overrides: dict, base: Path, cache: Path) -> dict:
@@ -125,32 +146,33 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny-online")
     ap.add_argument("--method", default="ggpo")
     ap.add_argument("--n", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--rounds", type=int, default=4, help="rounds per run (round 0 not timed)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds per run (the first and last not in the mean)")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ggpo-overhead-"))
     os.environ.setdefault("GGPO_HOME", str(tmp / "home"))
     trees = {"before": checkout(args.before, tmp / "before"), "after": REPO}
-    print(f"{'model':6s} {'params':>8s} {'N':>3s} {'code':7s} {'round s':>8s} {'sample':>7s} {'grade':>7s} "
-          f"{'updates':>8s} {'overhead':>9s} {'share':>6s} {'sync s':>7s} {'heavy MB':>9s}")
+    print(f"{'model':6s} {'params':>7s} {'N':>3s} {'code':7s} {'round s':>8s} {'sample':>7s} {'grade':>6s} "
+          f"{'updates':>8s} {'overhead':>9s} {'share':>6s} {'end s':>6s} {'heavy MB':>9s}")
     for model in args.models:
         for n in args.n:
             overrides = MODELS[model] | {"train.method": args.method, "train.updates_per_step": n,
                                          "train.updates": n * args.rounds, "train.eval_every": None}
-            base = build_base(args.preset, overrides, tmp / "bases")
+            base = build_base(args.preset, overrides)
             for code, tree in trees.items():
                 r = run(tree, args.preset, overrides, base, tmp / f"{model}-n{n}-{code}")
-                work = r["sampling"] + r["grading"] + r["updates"]
-                over = r["wall"] - work
-                print(f"{model:6s} {r['params'] / 1e6:7.1f}M {n:3d} {code:7s} {r['wall']:8.2f} {r['sampling']:7.2f} "
-                      f"{r['grading']:7.2f} {r['updates']:8.2f} {over:9.3f} {100 * over / r['wall']:5.1f}% "
-                      f"{r['sync']:7.3f} {r['heavy'] / 2**20:9.1f}", flush=True)
-                if code == "after" and r["checkpoints"]:
-                    per = r["checkpoint_s"] / r["checkpoints"]
-                    print(f"{'':6s} after: {r['checkpoints']} checkpoint(s), {per:.2f}s each, {r['sync'] * 1e9 / r['params']:.2f}s "
-                          f"per 1e9 parameters to sync", flush=True)
-    print(f"heavy MB: weights and optimizer state on disk after {args.rounds} rounds (before: grows with every "
-          f"round; after: two rolling checkpoints and the final policy at most)")
+                m = steady(r)
+                print(f"{model:6s} {r['params'] / 1e6:6.1f}M {n:3d} {code:7s} {m['wall']:8.2f} {m['sampling']:7.2f} "
+                      f"{m['grading']:6.2f} {m['updates']:8.2f} {m['overhead']:9.3f} {100 * m['overhead'] / m['wall']:5.1f}% "
+                      f"{m['end']:6.2f} {r['heavy'] / 2**20:9.1f}", flush=True)
+                if r["every"]:
+                    print(f"{'':6s} after: a checkpoint takes {r['checkpoint_each']:.2f}s "
+                          f"({r['checkpoint_each'] * 1e9 / r['params']:.1f}s per 1e9 parameters), one every "
+                          f"{r['every']} round(s), amortized above", flush=True)
+    print(f"rounds 1..{args.rounds - 2} timed (round 0 has the start-up); end s: what the last round adds once "
+          f"(the final checkpoint and policy); heavy MB: weights and optimizer state on disk after "
+          f"{args.rounds} rounds (before: grows with every round; after: two rolling checkpoints and the final "
+          f"policy at most)")
     shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -73,6 +74,7 @@ class Cell:
     rt: Runtime
     tokenizer: object
     engine: object = None
+    writer: object = None          # the checkpoint write in flight (one process)
     counts: dict = field(default_factory=lambda: {"engine_starts": 0, "rounds_sampled": 0, "rounds_replayed": 0,
                                                   "rounds_skipped": 0, "checkpoints_written": 0})
 
@@ -130,24 +132,65 @@ def has_policy(cell: Cell, at: int) -> bool:
 
 def save_cell_checkpoint(cell: Cell, r: int, st: TrainState) -> None:
     """The learner after round r, atomically (temp folder, meta last, rename); the oldest of
-    more than KEEP removed. Collective under torchrun (DCP shards: checkpoint.save)."""
+    more than KEEP removed. One process: the state is copied to CPU memory now and written by
+    a background thread while the next rounds run (at most one write in flight; a crash
+    mid-write leaves the previous checkpoint). Under torchrun: collective, in place (DCP)."""
     final, t0 = cell.folder / "checkpoints" / f"round-{r:06d}", time.perf_counter()
-    tmp = final.with_name(final.name + ".tmp")
-    if cell.main:
-        shutil.rmtree(tmp, ignore_errors=True)
-    checkpoint.save(tmp, update=st.update, model=st.model, optimizer=st.opt,
-                    reference=st.reference if reference_refreshed(cell.cfg.train, st.update) else None,
-                    metrics=[], lp_old=None, block_s=st.block_s)
-    if cell.main:
-        write_text_atomic(tmp / META, json.dumps({"round": r, "round_key": cell.chain[r]["online_train"],
-                                                  "update": st.update}))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for _, old, _ in checkpoints(cell.folder)[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
+    reference = st.reference if reference_refreshed(cell.cfg.train, st.update) else None
+    meta = {"round": r, "round_key": cell.chain[r]["online_train"], "update": st.update}
+    if distributed.current() is None:
+        finish_writes(cell)
+        state = checkpoint.snapshot(update=st.update, model=st.model, optimizer=st.opt, reference=reference,
+                                    block_s=st.block_s)
+        cell.writer = Writer(target=commit_checkpoint, args=(cell, final, state, meta), daemon=True)
+        cell.writer.start()
+    else:
+        tmp = final.with_name(final.name + ".tmp")
+        if cell.main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        checkpoint.save(tmp, update=st.update, model=st.model, optimizer=st.opt, reference=reference,
+                        metrics=[], lp_old=None, block_s=st.block_s)
+        if cell.main:
+            commit_checkpoint(cell, final, None, meta)
+        barrier()
     cell.counts["checkpoints_written"] += 1
-    barrier()
     cell.counts["checkpoint_seconds"] = round(cell.counts.get("checkpoint_seconds", 0.0) + time.perf_counter() - t0, 4)
+
+
+def commit_checkpoint(cell: Cell, final: Path, state: dict | None, meta: dict) -> None:
+    """`state` (a snapshot; None: already in the temp folder) written, cell.json last, the
+    folder renamed into place, the oldest beyond KEEP removed."""
+    tmp = final.with_name(final.name + ".tmp")
+    if state is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        checkpoint.write_plain(tmp, state)
+    write_text_atomic(tmp / META, json.dumps(meta))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for _, old, _ in checkpoints(cell.folder)[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+class Writer(threading.Thread):
+    """A checkpoint write in the background; its exception is raised by finish_writes."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException as exc:        # noqa: BLE001 - handed to the cell's thread
+            self.error = exc
+
+    error: BaseException | None = None
+
+
+def finish_writes(cell: Cell) -> None:
+    """Wait for the checkpoint write in flight (before the next one, and when the cell ends)."""
+    if cell.writer is not None:
+        cell.writer.join()
+        error, cell.writer = cell.writer.error, None
+        if error is not None:
+            raise TrainingError(f"online cell: writing a checkpoint into {cell.folder / 'checkpoints'} failed: "
+                                f"{error}") from error
 
 
 # --------------------------------------------------------------------------- one round
@@ -305,11 +348,14 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
             if on_round is not None and cell.main:
                 on_round(r, pool, prev)
     except interrupt.Interrupted:
+        finish_writes(cell)
+        found = latest_checkpoint(cell)
         raise interrupt.stopped(f"online cell {tc.method} seed {cfg.seed} in round {r} (rerun replays from "
-                                f"round {latest_checkpoint(cell)[0] + 1 if latest_checkpoint(cell) else 0})") from None
+                                f"round {found[0] + 1 if found else 0})") from None
     finally:
         if cell.engine is not None:
             getattr(cell.engine, "close", lambda: None)()
+        finish_writes(cell)       # a stopped cell still completes its last checkpoint
     shutil.rmtree(cell.folder / "pending", ignore_errors=True)
     log.info("online cell %s seed %d: %d rounds (%d from a checkpoint, %d replayed from cached pools, %d sampled), "
              "%d engine start(s), %d checkpoint(s) in %.1fs", tc.method, cfg.seed, rounds, cell.counts["rounds_skipped"],

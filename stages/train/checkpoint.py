@@ -36,7 +36,39 @@ META = "meta.pt"
 
 def save(folder: Path, *, update: int, model, optimizer, reference, metrics: list[dict],
          lp_old: dict | None = None, block_s: list[float] | None = None) -> None:
-    meta = {
+    meta = _meta(update, reference, metrics, lp_old, block_s)
+    if is_sharded(model):
+        _save_dcp(folder, update, model, optimizer, meta)
+        after_checkpoint(update)
+        return
+    write_plain(folder, meta | {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def snapshot(*, update: int, model, optimizer, reference, block_s: list[float] | None = None) -> dict:
+    """A one-process checkpoint's state with every tensor copied to the CPU now, so it can be
+    written (write_plain) while training goes on: memory copies only, no disk."""
+    def cpu(obj):
+        if torch.is_tensor(obj):
+            return obj.detach().to("cpu", copy=True)
+        if isinstance(obj, dict):
+            return {k: cpu(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(cpu(v) for v in obj)
+        return obj
+    return cpu(_meta(update, reference, [], None, block_s)
+               | {"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def write_plain(folder: Path, state: dict) -> None:
+    """`folder/latest.pt` from a one-process state, atomically (temp file, fsync, rename)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{NAME}.tmp-{os.getpid()}"
+    torch.save(state, tmp)
+    fsync_rename(tmp, folder / NAME)
+
+
+def _meta(update: int, reference, metrics: list[dict], lp_old: dict | None, block_s: list[float] | None) -> dict:
+    return {
         "update": update,
         "reference": reference.state_dict() if reference is not None else None,
         "torch_rng": torch.get_rng_state(),
@@ -45,15 +77,6 @@ def save(folder: Path, *, update: int, model, optimizer, reference, metrics: lis
         "lp_old": lp_old,        # step anchor, needed to resume inside a step exactly
         "block_s": block_s or [],  # sequence log ratios of the unfinished ESS block
     }
-    if is_sharded(model):
-        _save_dcp(folder, update, model, optimizer, meta)
-        after_checkpoint(update)
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    state = meta | {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    tmp = folder / f".{NAME}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    fsync_rename(tmp, folder / NAME)
 
 
 def _save_dcp(folder: Path, update: int, model, optimizer, meta: dict) -> None:
