@@ -43,7 +43,7 @@ def child(args) -> None:
     pool = Pool(group_ids=list(range(g)), prompt_ids=[ids(32) for _ in range(g)], responses=responses,
                 lp_beh=[[[-12.0] * args.response_tokens for _ in range(m)] for _ in range(g)],
                 rewards=torch.tensor([[1.0, 0.0] * (m // 2)] * g, dtype=torch.float64), group_size=m)
-    cfg = load_config("tiny", [f"train.method=ggpo", f"train.groups_per_update={g}", "train.device=cpu",
+    cfg = load_config("tiny", ["train.method=ggpo", f"train.groups_per_update={g}", "train.device=cpu",
                                f"train.logprob_impl={args.impl}"] + args.set)
     start = time.perf_counter()
     row = run_update(model, reference, pool, list(range(g)), cfg, pad_id=0)

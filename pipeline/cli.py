@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import sys
-import urllib.request
 from pathlib import Path
 
 from pipeline import dag, interrupt, paths, pool_source, services

@@ -388,7 +388,7 @@ _LAST_WATCH = 0.0
 
 def _watch() -> None:
     """Replace a stuck, crashed or silent pool; fail the calls if it cannot start. Under _LOCK."""
-    global _LAST_WATCH, _POOL
+    global _LAST_WATCH
     pool, now = _POOL, time.monotonic()
     if pool is None or pool.closed or not _CALLS or now - _LAST_WATCH < _TICK_S:
         return

@@ -18,7 +18,6 @@ Deterministic on CPU for a given config.
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import torch

@@ -12,7 +12,6 @@ import shutil
 
 import polars as pl
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from pipeline import dag

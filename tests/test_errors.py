@@ -31,7 +31,7 @@ def test_malformed_jsonl_line_is_reported_with_its_number(tmp_path):
     path = write_jsonl(tmp_path / "prompts.jsonl", rows, bad_line=4)
     with pytest.raises(tasks.DatasetError, match=r"prompts\.jsonl: line 4 is not valid JSON"):
         tasks.load_file(path)
-    bench = write_jsonl(tmp_path / "aime24.jsonl", [dict(r, id=str(i)) for i, r in enumerate(rows)], bad_line=2)
+    write_jsonl(tmp_path / "aime24.jsonl", [dict(r, id=str(i)) for i, r in enumerate(rows)], bad_line=2)
     with pytest.raises(benchmarks.BenchmarkError, match=r"aime24\.jsonl: line 2 is not valid JSON"):
         benchmarks.load("aime24", tmp_path)
     (tmp_path / "list.jsonl").write_text('{"problem": "1", "answer": "1"}\n[1, 2]\n')

@@ -1,8 +1,6 @@
 """Stages on real data: schemas, verify statuses, filter counts, determinism, resume, CLI."""
-import json
 import os
 import subprocess
-import sys
 
 import polars as pl
 import pyarrow.parquet as pq

@@ -1,5 +1,4 @@
 """Training robustness: SIGKILL and resume, non-finite updates, bad pools and configs."""
-import os
 import subprocess
 
 import polars as pl
