@@ -44,7 +44,10 @@ def cell_task(cfg: PipelineConfig, base: Manifest, run_name: str, cell_run_id: s
     rounds: list[dict] = []
     with build_slot():
         counts = run_cell(cfg, store, base, on_round=partial(log_round, cell_run_id, run_name, rounds))
-    get_run_logger().info("%s: %s", run_name, {k: v for k, v in counts.items() if k != "folder"})
+    get_run_logger().info("%s: %s", run_name, {k: v for k, v in counts.items() if k not in ("folder", "stalled")})
+    if counts.get("stalled"):
+        get_run_logger().warning("%s stopped after update %d: %s", run_name, counts["stalled"]["update"],
+                                 counts["stalled"]["reason"])
     if cell_run_id:
         tracking.log_params_metrics(tracking.client(), cell_run_id, {}, tracking.summary_metrics(
             {f"cell/{k}": v for k, v in counts.items() if isinstance(v, int)}))
@@ -101,10 +104,12 @@ def submit_cells(step: Runner, cells: list[Cell], runs: dict[str, str]) -> tuple
     return futures, evals
 
 
-def submit_evaluations(step: Runner, cell: Cell, store: Store) -> list:
-    """A finished cell's evaluation points: its kept policies, each evaluated."""
-    out = []
-    for _, _, at in cell.config.train.online_eval_points():
+def submit_evaluations(step: Runner, cell: Cell, store: Store, counts: dict) -> list:
+    """A finished cell's evaluation points: its kept policies, each evaluated. A cell that
+    stalled (online.on_stall) has the points before its stop and its policy at the stop."""
+    out, stop = [], counts.get("stalled") or {}
+    points = [at for _, _, at in cell.config.train.online_eval_points() if not stop or at < stop["update"]]
+    for at in points + ([stop["update"]] if stop else []):
         ce = cell.config.updated({"eval.target": "online", "eval.update": at})
         policy = store.load("online_policy", dag.expected_key("online_policy", ce))
         if policy is None:
@@ -119,17 +124,18 @@ def collect(cells: list[Cell], futures: list, evals: list, step: Runner, cfg: Pi
     evaluations; (evaluations, per-update curves) with each cell's columns. Each cell run
     gets its evaluations as metrics and its round records as one artifact."""
     store, key, records, curves = Store(), f"mean_at_{cfg.eval.n_samples}", [], []
+    done = {}
     for cell, future in zip(cells, futures):
-        future.result()
-        evals += submit_evaluations(step, cell, store)
+        done[cell_name(cell)] = future.result()
+        evals += submit_evaluations(step, cell, store, done[cell_name(cell)])
     for stub, future in evals:
         cell, m = stub["cell"], future.result()
         records.append(online_report.record(cell, cfg, stub["update"], m))
         tracking.log_params_metrics(client, runs[cell_name(cell)], {}, [(f"eval/{key}", m.summary[key], stub["update"])])
     for cell in cells:
-        c, tc = cell.config, cell.config.train
+        c = cell.config
         manifests = [store.load("online_train", dag.online_keys(c, r)["online_train"])
-                     for r in range(tc.updates // tc.updates_per_step)]
+                     for r in range(done[cell_name(cell)]["rounds"])]
         curves.append(online_report.cell_curves(cell, cfg, manifests))
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "rounds.json"

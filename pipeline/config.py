@@ -283,6 +283,12 @@ class OnlineConfig(Section):
     # draws per round before the round fails: a prompt set that cannot fill a round (all
     # solved, none solved) stops with the counts, never loops forever. Not in a key
     max_draws: int = Field(16, ge=1)
+    # a round (after the first) that cannot fill its pool, because the policy now solves or
+    # fails (nearly) every prompt: "stop" ends the cell there and evaluates its policy as
+    # the cell's final (the report shows the update it stopped at: a collapse is a result of
+    # the comparison, not a reason to lose the other cells); "error" fails the cell. Round 0
+    # (pi_0) always fails: then the task does not fit the model. Not in a key
+    on_stall: Literal["stop", "error"] = "stop"
 
     # rounds between an online cell's rolling checkpoints (the last 2 are kept, and one at the
     # end); "auto": every ceil(16 / N) rounds, about one per 16 updates: at the paper's scale

@@ -83,10 +83,11 @@ def from_cache(cfg: PipelineConfig, store) -> tuple[pl.DataFrame, pl.DataFrame, 
             if trained is None:
                 break
             rounds.append(trained)
-        for r, _, at in tc.online_eval_points():
-            if r < len(rounds):
-                e = load("evaluate", c.updated({"eval.target": "online", "eval.update": at}))
-                records += [record(cell, cfg, at, e)] if e else []
+        points = [at for r, _, at in tc.online_eval_points() if r < len(rounds)]
+        stop = len(rounds) * tc.updates_per_step       # a cell that stalled: its policy there
+        for at in points + ([stop] if 0 < stop < tc.updates and stop not in points else []):
+            e = load("evaluate", c.updated({"eval.target": "online", "eval.update": at}))
+            records += [record(cell, cfg, at, e)] if e else []
         if rounds:
             curves.append(cell_curves(cell, cfg, rounds))
     return (pl.DataFrame(records), pl.concat(curves, how="diagonal_relaxed") if curves else pl.DataFrame(), timings)
@@ -94,12 +95,19 @@ def from_cache(cfg: PipelineConfig, store) -> tuple[pl.DataFrame, pl.DataFrame, 
 
 def finals(evals: pl.DataFrame) -> pl.DataFrame:
     """The last evaluated update of each cell and seed."""
-    return evals.filter(pl.col("update") == pl.col("update").max().over("cell"))
+    return evals.filter(pl.col("update") == pl.col("update").max().over("cell", "seed"))
 
 
 def _agg(frame: pl.DataFrame, by: list[str], value: str = "accuracy") -> pl.DataFrame:
     return frame.group_by(by, maintain_order=True).agg(
-        pl.col(value).mean().alias("mean"), pl.col(value).std(ddof=1).alias("std"), pl.len().alias("seeds"))
+        pl.col(value).mean().alias("mean"), pl.col(value).std(ddof=1).alias("std"), pl.len().alias("seeds"),
+        pl.col("update").min().alias("update"))
+
+
+def stopped_mark(update: int, full: int) -> str:
+    """Beside a final accuracy: where a cell stopped early (online.on_stall: a round that
+    could not fill its pool), so a collapse reads as one."""
+    return f" (stopped at update {update})" if update < full else ""
 
 
 def in_cell_order(evals: pl.DataFrame) -> pl.DataFrame:
@@ -122,7 +130,9 @@ def pivot_table(evals: pl.DataFrame, field: str, title: str) -> tuple[str, pl.Da
     for key in agg.select(rows).unique(maintain_order=True).iter_rows():
         sub = agg.filter(pl.all_horizontal([pl.col(c) == v for c, v in zip(rows, key)]))
         by_value = {r[field]: r for r in sub.iter_rows(named=True)}
-        cells = [fmt_cell(by_value[v]["mean"], by_value[v]["std"]) if v in by_value else "" for v in values]
+        full = evals["update"].max()
+        cells = [fmt_cell(by_value[v]["mean"], by_value[v]["std"]) + stopped_mark(by_value[v]["update"], full)
+                 if v in by_value else "" for v in values]
         lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n", agg
 
@@ -151,10 +161,15 @@ def diagnostics(curves: pl.DataFrame) -> pl.DataFrame:
 def markdown_final(evals: pl.DataFrame, metric: str) -> str:
     agg = _agg(finals(evals), ["cell", "N", "t_ref"])
     base = evals.filter(pl.col("update") == 0)["accuracy"].mean()
-    lines = [f"Final accuracy ({metric}, %; base policy {100 * base:.2f})", "", "| cell | N | t_ref | seeds | final |",
-             "|---|---|---|---|---|"]
-    lines += [f"| {r['cell']} | {r['N']} | {r['t_ref']} | {r['seeds']} | {fmt_cell(r['mean'], r['std'])} |"
-              for r in agg.iter_rows(named=True)]
+    full = evals["update"].max()
+    lines = [f"Final accuracy ({metric}, %; base policy {100 * base:.2f})", "",
+             "| cell | N | t_ref | seeds | update | final |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['cell']} | {r['N']} | {r['t_ref']} | {r['seeds']} | {r['update']} | "
+              f"{fmt_cell(r['mean'], r['std'])} |" for r in agg.iter_rows(named=True)]
+    if agg["update"].min() < full:
+        lines += ["", f"A cell whose update is below {full} stopped there: a round after it could not fill its pool "
+                      "with mixed-reward groups within online.max_draws (its policy solved or failed nearly every "
+                      "prompt; online.on_stall = stop), and its policy at that update is its final."]
     return "\n".join(lines) + "\n"
 
 

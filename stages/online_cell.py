@@ -15,6 +15,11 @@ update index, ESS block: stages/train/loop.TrainState) and one sampler engine, b
         policies at evaluation points (online_policy); a checkpoint every
         online.checkpoint_every rounds and at the end (the last 2 are kept)
 
+A stall (a round after the first that cannot fill its pool in online.max_draws draws: the
+learner now solves or fails nearly every prompt) ends the cell with online.on_stall = stop:
+the learner after its last full round is kept as an online_policy and evaluated as the
+cell's final. One process only (under torchrun a stall fails the cell).
+
 Replay is resume: a killed cell restarts from its latest checkpoint and trains on the
 cached pools of the rounds after it without sampling them again (the pools are the log),
 to the same weights on CPU. A longer run (more train.updates) continues the same chain:
@@ -340,9 +345,16 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
     every = cfg.online.checkpoint_rounds(tc)
     for r in range(first if on_round is not None and cell.main else 0):     # finished before: shown as cached
         on_round(r, round_manifest(cell, "online_pool", r), round_manifest(cell, "online_train", r))
+    stalled = None
     try:
         for r in range(first, rounds):
-            pool, prev = one_round(cell, st, r, prev)
+            try:
+                pool, prev = one_round(cell, st, r, prev)
+            except online_pool.RefillError as exc:
+                if r == 0 or cfg.online.on_stall != "stop" or distributed.current() is not None:
+                    raise
+                stalled = stop_at_stall(cell, st, r, prev, exc)
+                break
             if (r + 1) % every == 0 or r + 1 == rounds:
                 save_cell_checkpoint(cell, r, st)
             if on_round is not None and cell.main:
@@ -358,11 +370,27 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
         finish_writes(cell)       # a stopped cell still completes its last checkpoint
     shutil.rmtree(cell.folder / "pending", ignore_errors=True)
     log.info("online cell %s seed %d: %d rounds (%d from a checkpoint, %d replayed from cached pools, %d sampled), "
-             "%d engine start(s), %d checkpoint(s) in %.1fs", tc.method, cfg.seed, rounds, cell.counts["rounds_skipped"],
+             "%d engine start(s), %d checkpoint(s) in %.1fs", tc.method, cfg.seed, stalled["round"] if stalled else rounds,
+             cell.counts["rounds_skipped"],
              cell.counts["rounds_replayed"], cell.counts["rounds_sampled"], cell.counts["engine_starts"],
              cell.counts["checkpoints_written"], time.perf_counter() - t0)
-    return cell.counts | {"rounds": rounds, "update": st.update, "folder": str(cell.folder),
-                          "final_round": prev.key if prev else None}
+    return cell.counts | {"rounds": stalled["round"] if stalled else rounds, "update": st.update,
+                          "folder": str(cell.folder), "final_round": prev.key if prev else None,
+                          "stalled": stalled}
+
+
+def stop_at_stall(cell: Cell, st: TrainState, r: int, prev: Manifest, exc: Exception) -> dict:
+    """Round r could not fill its pool: the learner after round r - 1 becomes the cell's last
+    policy (an online_policy at its update, evaluated by the flow). A rerun replays to here
+    and stalls again (the draws are seeded), finding that policy cached."""
+    at = st.update
+    if not has_policy(cell, at):
+        save_policy(st.model, cell.tokenizer, pending(cell, at))
+        spec = replace(online_policy.SPEC, build=partial(online_policy.adopt, saved=pending(cell, at)))
+        run_stage(spec, cell.cfg.updated({"eval.update": at}), {"round": prev}, cell.store)
+    log.warning("online cell %s seed %d stopped after update %d of %d (online.on_stall=stop): %s",
+                cell.cfg.train.method, cell.cfg.seed, at, cell.cfg.train.updates, exc)
+    return {"round": r, "update": at, "reason": str(exc)}
 
 
 # --------------------------------------------------------------------------- torchrun

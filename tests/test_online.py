@@ -163,6 +163,26 @@ def test_report_tables_against_n_and_t_ref(tmp_path):
     assert {p.name for p in paths} >= {"figure1.png", "figure2.png", "figure3_7.png", "final.csv", "report.md"}
 
 
+def test_report_marks_a_cell_that_stopped_early(tmp_path):
+    """A cell that stalled (online.on_stall=stop) reports its policy at the stop as its final,
+    with the update beside it; one seed stopping does not hide the other seed's final."""
+    from pipeline import online_report
+    evals = []
+    for n, stop in ((1, None), (16, 16)):
+        for seed in (42, 7):
+            last = stop if stop and seed == 42 else 64
+            evals += [{"method": "ggpo", "cell": f"ggpo updates_per_step={n}", "N": n, "t_ref": "20", "seed": seed,
+                       "update": u, "accuracy": a} for u, a in ((0, 0.2), (last, 0.01 if last < 64 else 0.3))]
+    curves = [{"method": "ggpo", "cell": f"ggpo updates_per_step={n}", "N": n, "t_ref": "20", "seed": 42, "update": u,
+               "k3_mismatch": 0.0, "ess": 1.0, "entropy": 0.1, "response_length": 9.0, "mean_ell": 0.5,
+               "success_ess": 0.9, "responses_generated": 64 * u} for n in (1, 16) for u in range(1, 17)]
+    table, _ = online_report.write(pl.DataFrame(evals), pl.DataFrame(curves), tmp_path, "mean@8")
+    assert "| ggpo updates_per_step=16 | 16 | 20 | 2 | 16 | 15.50 ± 20.51 |" in table
+    assert "| ggpo updates_per_step=1 | 1 | 20 | 2 | 64 | 30.00 ± 0.00 |" in table
+    assert "A cell whose update is below 64 stopped there" in table
+    assert "| ggpo | 20 | 30.00 ± 0.00 | 15.50 ± 20.51 (stopped at update 16) |" in table
+
+
 @pytest.mark.servers
 def test_flow_with_parallel_builds_equals_sequential_rounds(tmp_path, base_manifest):
     """The online flow builds two cells' rounds concurrently (threads) while a bf16 sampler

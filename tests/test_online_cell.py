@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,7 @@ from pipeline.engines import SamplingParams
 from pipeline.errors import TrainingError, WeightSyncError
 from pipeline.store import MANIFEST, Store
 from stages.online_cell import run_cell, state_folder
+from stages.online_pool import RefillError
 
 from conftest import BIN, REPO
 
@@ -262,6 +264,26 @@ def test_heavy_bytes_do_not_grow_with_rounds(chains):
     assert len(list(state_folder(long_store, cfg_of(**{"train.updates": 32})).glob("checkpoints/round-*"))) == 2
     for folder in long_store.root.glob("online_train-*"):
         assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, "metrics.parquet"]
+
+
+def test_a_round_that_cannot_fill_its_pool_ends_the_cell_at_its_policy(tmp_path, base_manifest):
+    """A learner wrecked by its first round (lr 1: AdamW moves every weight by about 1) fails
+    every prompt, so round 1 finds no mixed group in its draws. online.on_stall=stop ends
+    the cell after update 2 with that policy kept for evaluation, and a rerun stalls at the
+    same place without sampling the finished round again; on_stall=error fails in one line."""
+    cfg = cfg_of(**{"train.lr": 1.0, "train.updates": 6, "online.max_draws": 2})
+    store = store_with_base(tmp_path / "s", base_manifest)
+    counts = run_cell(cfg, store, base_manifest)
+    assert (counts["stalled"]["round"], counts["stalled"]["update"], counts["update"], counts["rounds"]) == (1, 2, 2, 1)
+    assert re.search(r"online round 1 \(seed 42\): found 0 mixed-reward groups from \d+ prompts", counts["stalled"]["reason"])
+    assert policy(cfg, store, 2) is not None and policy(cfg, store) is None
+    again = run_cell(cfg, store, base_manifest)
+    assert again["stalled"] == counts["stalled"] and again["rounds_sampled"] == 0
+    a, b = weights(policy(cfg, store, 2)), weights(store.load("base", base_manifest.key))
+    assert any(not torch.equal(a[k], b[k]) for k in a)       # it is the trained policy, not pi_0
+    with pytest.raises(RefillError, match=r"online round 1 .* found 0 mixed-reward groups") as e:
+        run_cell(cfg.updated({"online.on_stall": "error"}), store, base_manifest)
+    assert "\n" not in str(e.value)
 
 
 # --------------------------------------------------------------------------- bad input
