@@ -36,6 +36,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_ports_clear_of(taken: list[int], span: int = 200) -> int:
+    """The first port of a free range for Ray's workers that holds none of `taken`: Ray
+    refuses to start when a component's port falls inside the worker range (seen under load,
+    where the ephemeral ports handed out lie close together)."""
+    for _ in range(100):
+        low = free_port()
+        if low + span <= 65535 and not any(low <= p <= low + span for p in taken):
+            return low
+    raise RuntimeError(f"no range of {span + 1} ports clear of {taken} found")
+
+
 def answers(port: int) -> bool:
     with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
         return True
@@ -64,7 +75,7 @@ def local_cluster(num_cpus: int = 2, timeout_s: float = 90) -> Iterator[str]:
     ports = {f"--{name}": str(free_port()) for name in (
         "node-manager-port", "object-manager-port", "ray-client-server-port", "dashboard-agent-listen-port",
         "dashboard-agent-grpc-port", "metrics-export-port", "runtime-env-agent-port")}
-    low = free_port()
+    low = worker_ports_clear_of([port, *map(int, ports.values())])
     argv = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
             f"--num-cpus={num_cpus}", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats",
             f"--temp-dir={temp}", f"--min-worker-port={low}", f"--max-worker-port={low + 200}",

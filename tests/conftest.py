@@ -99,6 +99,15 @@ def assert_interrupted_cleanly(proc, err: str, state: dict | None, rerun) -> Non
     assert f"resuming after update {state['update']}" in rerun.stderr + rerun.stdout
 
 
+
+@pytest.fixture(autouse=True)
+def no_stop_request_left_behind():
+    """A stop request is process-wide (pipeline/interrupt.py): a test that signals and then
+    fails must not leave it set, or every later stage in this process stops at once."""
+    yield
+    from pipeline import interrupt
+    interrupt.reset()
+
 @pytest.fixture(scope="session")
 def smoke_cfg():
     from pipeline.config import load_config
