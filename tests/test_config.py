@@ -16,7 +16,7 @@ def test_tiny_regime_is_the_online_loop_on_countdown_with_refresh_for_every_meth
     assert cfg.experiment.flow == "online" and cfg.task.name == "countdown" and cfg.train.updates == 128
     cells = grid.cells(cfg)
     assert [c.method for c in cells] == ["grpo", "grpo_tis", "agro", "ggpo"]
-    assert {c.config.train.refresh_every() for c in cells} == {20}
+    assert {c.config.train.refresh_every() for c in cells} == {10}
     # the staleness ladder of its header passes the online geometry checks (N = 64 included)
     from pipeline.preflight import check_run
     _, ladder = check_run("online", "tiny-regime", {"experiment.grid": {"train.updates_per_step": [1, 4, 16, 64]}})
