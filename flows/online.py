@@ -107,9 +107,8 @@ def submit_cells(step: Runner, cells: list[Cell], runs: dict[str, str]) -> tuple
 def submit_evaluations(step: Runner, cell: Cell, store: Store, counts: dict) -> list:
     """A finished cell's evaluation points: its kept policies, each evaluated. A cell that
     stalled (online.on_stall) has the points before its stop and its policy at the stop."""
-    out, stop = [], counts.get("stalled") or {}
-    points = [at for _, _, at in cell.config.train.online_eval_points() if not stop or at < stop["update"]]
-    for at in points + ([stop["update"]] if stop else []):
+    out = []
+    for at in cell.config.train.online_eval_updates(counts["rounds"]):
         ce = cell.config.updated({"eval.target": "online", "eval.update": at})
         policy = store.load("online_policy", dag.expected_key("online_policy", ce))
         if policy is None:

@@ -187,6 +187,14 @@ class TrainConfig(Section):
         n = self.updates_per_step
         return [(-(-at // n) - 1, None if at % n == 0 else at, at) for at in self.snapshot_updates() + [self.updates]]
 
+    def online_eval_updates(self, rounds_done: int) -> list[int]:
+        """The updates a cell that finished `rounds_done` rounds has policies for: its
+        evaluation points inside them and, when it stopped early (online.on_stall), the
+        update it stopped at."""
+        points = [at for r, _, at in self.online_eval_points() if r < rounds_done]
+        stop = rounds_done * self.updates_per_step
+        return points + ([stop] if 0 < stop < self.updates and stop not in points else [])
+
     def needs_behavior_logprobs(self) -> bool:
         return self.method == "grpo_tis" or (self.method == "grpo" and self.anchor == "behavior")
 

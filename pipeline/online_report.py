@@ -83,9 +83,7 @@ def from_cache(cfg: PipelineConfig, store) -> tuple[pl.DataFrame, pl.DataFrame, 
             if trained is None:
                 break
             rounds.append(trained)
-        points = [at for r, _, at in tc.online_eval_points() if r < len(rounds)]
-        stop = len(rounds) * tc.updates_per_step       # a cell that stalled: its policy there
-        for at in points + ([stop] if 0 < stop < tc.updates and stop not in points else []):
+        for at in tc.online_eval_updates(len(rounds)):
             e = load("evaluate", c.updated({"eval.target": "online", "eval.update": at}))
             records += [record(cell, cfg, at, e)] if e else []
         if rounds:
@@ -127,10 +125,10 @@ def pivot_table(evals: pl.DataFrame, field: str, title: str) -> tuple[str, pl.Da
     agg = _agg(finals(evals), rows + [field])
     lines = [title, "", "| " + " | ".join(rows) + " | " + " | ".join(f"{field}={v}" for v in values) + " |",
              "|" + "---|" * (len(rows) + len(values))]
+    full = evals["update"].max()
     for key in agg.select(rows).unique(maintain_order=True).iter_rows():
         sub = agg.filter(pl.all_horizontal([pl.col(c) == v for c, v in zip(rows, key)]))
         by_value = {r[field]: r for r in sub.iter_rows(named=True)}
-        full = evals["update"].max()
         cells = [fmt_cell(by_value[v]["mean"], by_value[v]["std"]) + stopped_mark(by_value[v]["update"], full)
                  if v in by_value else "" for v in values]
         lines.append("| " + " | ".join(map(str, key)) + " | " + " | ".join(cells) + " |")

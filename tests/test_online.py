@@ -163,6 +163,14 @@ def test_report_tables_against_n_and_t_ref(tmp_path):
     assert {p.name for p in paths} >= {"figure1.png", "figure2.png", "figure3_7.png", "final.csv", "report.md"}
 
 
+def test_a_stopped_cell_is_evaluated_at_its_points_before_the_stop_and_at_the_stop():
+    tc = load_config("smoke-online", {"train.updates": 8, "train.updates_per_step": 2, "train.eval_every": 3}).train
+    assert tc.online_eval_updates(4) == [3, 6, 8]        # finished: every point and the end
+    assert tc.online_eval_updates(2) == [3, 4]           # stopped in round 2: point 3, then update 4
+    assert tc.online_eval_updates(3) == [3, 6]           # stopped where a point already is
+    assert tc.online_eval_updates(0) == []
+
+
 def test_report_marks_a_cell_that_stopped_early(tmp_path):
     """A cell that stalled (online.on_stall=stop) reports its policy at the stop as its final,
     with the update beside it; one seed stopping does not hide the other seed's final."""
