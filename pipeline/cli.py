@@ -335,7 +335,7 @@ def run_one_stage(name: str, cfg, args, inputs_of=None) -> int:
     print_manifest(name, manifest, store)
     if not args.no_track:
         run_id = tracking.log_stage(manifest, f"stage-{name}")
-        print(f"  mlflow run {tracking.run_link(run_id) or run_id + ' in ' + tracking.tracking_uri()}")
+        print(tracking.stage_run_line(run_id))
     return 0
 
 
@@ -388,7 +388,7 @@ def stage_online(cfg, store: Store, args) -> int:
           f"  state  {counts['folder']}\n  last round {last.key}  {last.folder}\n  summary {json.dumps(last.summary)}")
     if not args.no_track:
         run_id = tracking.log_stage(last, f"stage-online {cfg.train.method} seed {cfg.seed}")
-        print(f"  mlflow run {tracking.run_link(run_id) or run_id + ' in ' + tracking.tracking_uri()}")
+        print(tracking.stage_run_line(run_id))
     return 0
 
 

@@ -108,6 +108,14 @@ def run_link(run_id: str, exp_id: str, server: str | None = None) -> str | None:
     return f"{server.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}?workflowType=machine_learning"
 
 
+def stage_run_line(run_id: str) -> str:
+    """`  mlflow run <link>` for a run logged by `ggpo stage`: its page on the tracking server
+    (the experiment read from the run), or its id and the SQLite file when tracking is local."""
+    c = client()
+    link = run_link(run_id, c.get_run(run_id).info.experiment_id, c.tracking_uri)
+    return f"  mlflow run {link or run_id + ' in ' + c.tracking_uri}"
+
+
 def report_folder(flow: str, preset: str) -> Path:
     """Where a flow run's report files stay on disk (also logged to MLflow under report/):
     $GGPO_HOME/reports/<flow>-<preset>-<UTC time>/."""
