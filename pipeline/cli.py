@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pipeline import dag, interrupt, paths, pool_source, services
 from pipeline.config import PRESET_DIR, load_config, parse_overrides, preset_names
-from pipeline.errors import BenchmarkError, ConfigError, DamagedArtifact, DatasetError, PoolError, TrainingError
+from pipeline.errors import (BenchmarkError, ConfigError, DatasetError, ExpectedError, NonFiniteUpdate, PoolError)
 from pipeline.store import Store, gc_plan, verify_all
 from pipeline import grading, online_report, report, stage, tracking
 from pydantic import ValidationError
@@ -82,8 +82,8 @@ def parser() -> argparse.ArgumentParser:
     cache.add_argument("--yes", action="store_true", help="gc: really delete")
     cache.add_argument("--all", action="store_true", help="gc: also interrupted training runs that could resume")
     cache.add_argument("--unreferenced", action="store_true",
-                       help="gc: also artifacts no cached manifest uses and no preset's experiment expects "
-                            "(this includes the results of runs with other --set options)")
+                       help="gc: also artifacts that lead to no result (trained policy or evaluation) and that "
+                            "no preset's experiment expects: pools nobody trained on, rounds that led to no policy")
     rep = sub.add_parser("report", help="stage timings and the comparison table of the cached experiment")
     _config_args(rep)
     for command in sub.choices.values():     # `ggpo stage X --debug` works as well as `ggpo --debug stage X`
@@ -496,32 +496,30 @@ COMMANDS = {"up": cmd_up, "down": cmd_down, "env": cmd_env, "status": cmd_status
             "stage": cmd_stage, "pool": cmd_pool, "cache": cmd_cache, "report": cmd_report}
 
 
+# what to do, per kind of expected error (the most specific class that has one wins)
+HINTS: dict[type, str] = {
+    PoolError: "fix the source, or map its columns: --map FIELD=COLUMN, pool.map",
+    DatasetError: "fix the file, or pick a prompt set: --set task.name=digit_sort|arithmetic|PATH",
+    BenchmarkError: "fix the file; eval.data_dir is a folder of <benchmark>.parquet/.jsonl files, or 'hub'",
+    NonFiniteUpdate: "try a smaller learning rate (--set train.lr=...) or a larger train.beta, which starts a "
+                     "new run; the same command resumes from the checkpoint",
+}
+
+
 def expected_error(exc: BaseException) -> str | None:
     """The message of an expected failure (bad config or data, missing or damaged input,
-    training stopped, server trouble) with what to do; None for a bug, which keeps its
-    traceback."""
-    if isinstance(exc, interrupt.Interrupted):
-        return str(exc)
+    training stopped, server trouble) with what to do, chosen by the error's type; None for
+    a bug, which keeps its traceback."""
     if isinstance(exc, ValidationError) or isinstance(exc.__context__, ValidationError) and isinstance(exc, ConfigError):
         invalid = exc if isinstance(exc, ValidationError) else exc.__context__
         head = str(exc).splitlines()[0].rstrip(":") if isinstance(exc, ConfigError) else "invalid config"
         fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
                            for e in invalid.errors())
         return f"{head}: {fields}; fix the --set option or the preset file in {PRESET_DIR}"
-    if isinstance(exc, PoolError):
-        return f"{exc} (fix the source, or map its columns: --map FIELD=COLUMN, pool.map)"
-    if isinstance(exc, DatasetError):
-        return f"{exc} (fix the file, or pick a prompt set: --set task.name=digit_sort|arithmetic|PATH)"
-    if isinstance(exc, BenchmarkError):
-        return f"{exc} (fix the file; eval.data_dir is a folder of <benchmark>.parquet/.jsonl files, or 'hub')"
-    if isinstance(exc, TrainingError):
-        if "non-finite" not in str(exc):
-            return str(exc)
-        return (f"training stopped: {exc}; try a smaller learning rate (--set train.lr=...) or a larger "
-                f"train.beta, which starts a new run; the same command resumes from the checkpoint")
-    if isinstance(exc, (ConfigError, dag.MissingInput, DamagedArtifact, services.ServiceError)):
-        return str(exc)
-    return None
+    if not isinstance(exc, ExpectedError):
+        return None
+    hint = next((HINTS[k] for k in type(exc).__mro__ if k in HINTS), None)
+    return f"{exc} ({hint})" if hint else str(exc)
 
 
 def main(argv: list[str] | None = None) -> int:

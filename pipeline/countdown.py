@@ -38,6 +38,8 @@ import itertools
 from collections import Counter
 from functools import lru_cache
 
+from pipeline.errors import ParseError
+
 PREFIX = "countdown:"
 MAX_CHARS = 200        # a box longer than this is no answer of this task (the longest solution is ~20)
 MAX_DEPTH = 16         # parentheses nesting
@@ -45,10 +47,6 @@ MAX_DIGITS = 9         # a longer number cannot be a given one: it is never conv
 OPS = "+-*"
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2, "^": 3}
 _SIGNS = {"−": "-", "×": "*"}
-
-
-class ParseError(ValueError):
-    pass
 
 
 # ---------------------------------------------------------------- problems

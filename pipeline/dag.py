@@ -14,7 +14,7 @@ import importlib
 from pipeline.config import PipelineConfig
 from pipeline.grid import cells
 from pipeline.stage import StageSpec, content_key, key_for, run_stage
-from pipeline.errors import DamagedArtifact
+from pipeline.errors import DamagedArtifact, MissingInput
 from pipeline.store import Manifest, Store
 from pipeline.store import canonical_json as canonical
 
@@ -31,10 +31,6 @@ def pool_stages(config: PipelineConfig) -> tuple[str, ...]:
     if not config.pool.source:
         return ("rollout", "verify", "filter")
     return ("pool_import", "score") if config.pool.score_model else ("pool_import",)
-
-
-class MissingInput(RuntimeError):
-    pass
 
 
 def spec(stage: str) -> StageSpec:

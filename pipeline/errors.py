@@ -1,16 +1,23 @@
 """The project's expected errors and shared names, in a leaf module that imports nothing of
-the project: every layer raises these, and the CLI turns each into one line (exit 2).
+the project: every layer raises these, and the CLI turns each into one line (exit 2, or
+130 for a stop) by its type (`pipeline/cli.py: expected_error`), never by its message.
 
-Each message names the file, row, field or setting at fault and what to do.
+Each message names the file, row, field or setting at fault and what to do. Every class
+here derives from `ExpectedError`; anything else that escapes a command is a bug and
+keeps its traceback.
 """
 from __future__ import annotations
 
 
-class ConfigError(ValueError):
+class ExpectedError(Exception):
+    """A failure the user can act on; its message is the whole story (no traceback)."""
+
+
+class ConfigError(ExpectedError, ValueError):
     """A setting that cannot work (config, preset, flow parameters, a missing prerequisite)."""
 
 
-class DatasetError(ValueError):
+class DatasetError(ExpectedError, ValueError):
     """A prompt file (task.name) that cannot be read as a task."""
 
 
@@ -18,7 +25,7 @@ class PoolError(DatasetError):
     """A pool source (pool.source: a completions file or dataset) that cannot be imported."""
 
 
-class BenchmarkError(ValueError):
+class BenchmarkError(ExpectedError, ValueError):
     """A benchmark file (eval.data_dir) that cannot be read."""
 
 
@@ -26,16 +33,49 @@ class StoreError(ConfigError):
     """The artifact store cannot be used (URL, credentials, endpoint, permissions)."""
 
 
-class DamagedArtifact(RuntimeError):
+class DamagedArtifact(ExpectedError, RuntimeError):
     """A cached artifact whose files do not match its manifest."""
 
 
-class TrainingError(RuntimeError):
-    """Training stopped: a bad pool, a non-finite update, a failed rank, a bad checkpoint."""
+class MissingInput(ExpectedError, RuntimeError):
+    """A stage's input is not in the cache (`ggpo stage NAME` names the stage to run first)."""
 
 
-class WeightSyncError(RuntimeError):
+class ServiceError(ExpectedError, RuntimeError):
+    """A server (Prefect, MLflow, the deployment's serve process) that is needed and not usable."""
+
+
+class TrainingError(ExpectedError, RuntimeError):
+    """Training stopped: a bad pool, a failed rank, a bad checkpoint."""
+
+
+class NonFiniteUpdate(TrainingError):
+    """An update whose loss or gradient norm is not finite (it is never applied)."""
+
+
+class RefillError(ExpectedError, RuntimeError):
+    """An online round could not collect its N * G_mb mixed-reward groups within online.max_draws."""
+
+
+class WeightSyncError(ExpectedError, RuntimeError):
     """A sampler refused the learner's weights (names or shapes that are not its model's)."""
+
+
+class VLLMOutputError(ExpectedError, RuntimeError):
+    """vLLM returned a completion without a finite log-prob for a sampled token."""
+
+
+class Interrupted(ExpectedError):
+    """Work stopped at a safe point because a stop was requested; the message says where."""
+
+    def __init__(self, where: str):
+        super().__init__(f"interrupted: {where}")
+        self.where = where
+
+
+class ParseError(ValueError):
+    """Internal to the countdown verifier: an answer that does not parse (graded parse_error,
+    never shown to the user as an error)."""
 
 
 # the benchmark files eval.benchmarks may name (pipeline/benchmarks.py reads them)

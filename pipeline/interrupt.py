@@ -23,20 +23,14 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
+from pipeline.errors import Interrupted
+
 EXIT_CODE = 130        # 128 + SIGINT, what shells expect of an interrupted command
 
 _requested = threading.Event()
 _signals = [0]
 _where: list[str] = []           # where work stopped, in the order it did
 _lock = threading.Lock()
-
-
-class Interrupted(Exception):
-    """Work stopped at a safe point because a stop was requested; the message says where."""
-
-    def __init__(self, where: str):
-        super().__init__(f"interrupted: {where}")
-        self.where = where
 
 
 def requested() -> bool:

@@ -21,13 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import paths
+from pipeline.errors import ServiceError
 from pipeline.store import default_root, write_text_atomic
 
 STATE_FILE = paths.STATE_FILE
-
-
-class ServiceError(RuntimeError):
-    pass
 
 
 @dataclass

@@ -38,7 +38,7 @@ import pyarrow as pa
 from pipeline import progress, tasks
 from pipeline.config import PipelineConfig
 from pipeline.engines import SamplingParams
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, RefillError
 from pipeline.grading import grade_many
 from pipeline.schemas import TRAIN_POOL, write_parquet
 from pipeline.seeding import derive_seed, permutation
@@ -48,10 +48,6 @@ from stages.rollout import prompt_table, rollout_table
 
 DRAWS = pa.schema([("draw", pa.int32()), ("position", pa.int64()), ("prompt_id", pa.string()),
                    ("successes", pa.int32()), ("mixed", pa.bool_()), ("kept", pa.bool_())])
-
-
-class RefillError(RuntimeError):
-    """A round could not collect its N * G_mb mixed-reward groups within online.max_draws."""
 
 
 @dataclass

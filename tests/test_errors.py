@@ -9,6 +9,7 @@ import os
 import pytest
 
 from pipeline import benchmarks, dag, tasks
+from pipeline import errors as project_errors
 from pipeline.cli import main
 from pipeline.config import load_config
 
@@ -116,3 +117,44 @@ def test_bad_input_to_a_flow_is_one_line_before_anything_starts(tmp_path, bad, s
     assert res.returncode == 2 and res.stdout == "", res.stdout
     assert res.stderr.count("\n") == 1 and res.stderr.startswith("ggpo: ") and says in res.stderr, res.stderr
     assert "prefect" not in res.stderr.lower() and "Traceback" not in res.stderr
+
+
+def test_every_error_the_project_raises_lives_in_errors_and_is_expected():
+    """Every exception class defined in pipeline/, stages/ or flows/ is pipeline.errors' (an
+    ExpectedError, except the countdown parser's internal verdict), so the CLI can map them
+    by type; the modules that raise them only import them."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    defined = []
+    for path in [p for d in ("pipeline", "stages", "flows") for p in (repo / d).rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    getattr(b, "id", getattr(b, "attr", "")).endswith(("Error", "Exception", "Interrupted"))
+                    for b in node.bases):
+                defined.append(f"{path.relative_to(repo)}:{node.name}")
+    private = {"pipeline/grading.py:_Timeout"}      # the grader's own timer, caught where it is raised
+    assert {d for d in defined if not d.startswith("pipeline/errors.py")} == private
+    for name in dir(project_errors):
+        cls = getattr(project_errors, name)
+        if isinstance(cls, type) and issubclass(cls, Exception) and cls is not project_errors.ParseError:
+            assert issubclass(cls, project_errors.ExpectedError), name
+
+
+@pytest.mark.parametrize("exc, line", [
+    (project_errors.NonFiniteUpdate("update 3: non-finite loss nan"),
+     "update 3: non-finite loss nan (try a smaller learning rate"),
+    # the words alone do not make the hint: the type does
+    (project_errors.TrainingError("rank 1 failed: non-finite loss nan"),
+     "rank 1 failed: non-finite loss nan"),
+    (project_errors.RefillError("round: found 0 mixed-reward groups"),
+     "round: found 0 mixed-reward groups"),
+    (project_errors.PoolError("a.jsonl: row 3"), "a.jsonl: row 3 (fix the source"),
+])
+def test_the_cli_maps_errors_by_type(exc, line):
+    from pipeline.cli import expected_error
+    message = expected_error(exc)
+    assert message is not None and message.startswith(line)
+    assert ("(" in line) == (message != line)      # a hint is added exactly where the type has one
+    assert expected_error(RuntimeError("non-finite loss")) is None     # a bug keeps its traceback

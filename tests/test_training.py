@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from pipeline import dag
 from pipeline.config import ConfigError, load_config
+from pipeline.errors import NonFiniteUpdate
 from pipeline.store import MANIFEST, Store
 from stages import train
 from stages.train import checkpoint, loop
@@ -54,7 +55,7 @@ def test_non_finite_update_stops_with_update_and_method(tmp_path, base_manifest,
     monkeypatch.setattr(loop, "get_loss", poisoned)
     cfg = load_config("smoke", ["train.method=agro", "train.micro_batch_groups=4", "train.updates=6"])  # 2 per update
     store = Store(tmp_path)
-    with pytest.raises(loop.TrainingError, match=r"update 5 \(method agro\): non-finite"):
+    with pytest.raises(NonFiniteUpdate, match=r"update 5 \(method agro\): non-finite"):
         train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=store)
     state = checkpoint.load(store.folder("train", dag.expected_key("train", cfg)) / "checkpoints")
     assert state["update"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())

@@ -37,6 +37,7 @@ import os
 import multiprocessing.util
 import traceback
 
+from pipeline.errors import VLLMOutputError
 from pipeline.engines.base import Completion, SamplingParams, check_weights, stop_token_ids
 
 # No torch / transformers / vllm at module level: a spawned shard process imports this
@@ -48,10 +49,6 @@ LOGPROBS_MODE = "processed_logprobs"
 NO_TOP_K = -1
 # vLLM adds the sample index to a request's seed; keep seed + n far below 2**63
 _SEED_MASK = 2**62 - 1
-
-
-class VLLMOutputError(RuntimeError):
-    pass
 
 
 def prompt_seed(seed: int, prompt_index: int) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from pipeline import interrupt
 from pipeline.config import PipelineConfig, TrainConfig
-from pipeline.errors import TrainingError
+from pipeline.errors import NonFiniteUpdate
 from pipeline.hf import load_model
 from pipeline.progress import Progress
 from pipeline.runtime import Runtime, make_runtime
@@ -276,7 +276,7 @@ def one_update(st: TrainState, pool: Pool, groups: list[int], cfg: PipelineConfi
     row = run_update(st.model, st.reference, pool, groups, cfg, pad_id, st.lp_old if needs_anchor else None, rt,
                      st.ref_cache)
     if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
-        raise TrainingError(f"update {u + 1} (method {tc.method}): non-finite loss {row['loss']} or grad norm "
+        raise NonFiniteUpdate(f"update {u + 1} (method {tc.method}): non-finite loss {row['loss']} or grad norm "
                             f"{row['grad_norm']}; the last good checkpoint is kept "
                             f"{f'in {ckpt_dir}' if ckpt_dir else 'at the last round boundary'}")
     st.opt.step()
