@@ -486,9 +486,12 @@ def gc_plan(store: Store, versions: dict[str, int], protected: set[tuple[str, st
     - an unreachable artifact: its stage is gone, or its stage version is not the code's
       (`versions`: stage -> current version), or it was built on an unreachable one. Keys
       include the version, so no run of this code can ever read these;
-    - with `protected` (a set of (stage, key)): also every complete artifact that no other
-      cached manifest names as an input and that is not in `protected` (the presets'
-      experiments). This drops results of runs with other configs (--set), so it is opt-in.
+    - with `protected` (a set of (stage, key)): also every complete artifact that leads to
+      no result: not in `protected` (the presets' experiments), not a result itself
+      (RESULT_STAGES: trained policies and evaluations, whatever config made them), and not
+      an input, directly or through others, of something kept. This drops pools nobody
+      trained on and online rounds that led to no policy; it never drops a result, nor
+      anything a result's report reads (a stopped cell's rounds, its last policy).
     """
     if store.remote is not None:
         raise StoreError(f"GGPO_CACHE={store.url}: `ggpo cache gc` is not supported for remote stores yet; "
@@ -510,18 +513,37 @@ def gc_plan(store: Store, versions: dict[str, int], protected: set[tuple[str, st
         if not more:
             break
         dead |= more
-    referenced = {key for k, (_, m) in complete.items() if k not in dead for key in m.inputs.values()}
+    keep = kept_keys(complete, dead, protected or set())
     for key, (folder, m) in complete.items():
         if key in dead:
             why = (f"stage '{m.stage}' no longer exists" if m.stage not in versions else
                    f"built by {m.stage} v{m.version}, the code is v{versions[m.stage]}"
                    if versions[m.stage] != m.version else "built on an unreachable artifact")
-        elif protected is not None and key not in referenced and (m.stage, key) not in protected:
-            why = "unreferenced: no cached manifest uses it and no preset's experiment expects it"
+        elif protected is not None and key not in keep:
+            why = "unreferenced: leads to no result (policy or evaluation) and no preset's experiment expects it"
         else:
             continue
         plan.append((folder, why, folder_bytes(folder)))
     return plan
+
+
+# what a run is for: never removed by `ggpo cache gc --unreferenced`, whatever config made it
+RESULT_STAGES = ("train", "online_policy", "evaluate")
+
+
+def kept_keys(complete: dict[str, tuple[Path, Manifest]], dead: set[str], protected: set[tuple[str, str]]) -> set[str]:
+    """The keys of the results and protected artifacts, and of everything they were built
+    on (their inputs, transitively)."""
+    todo = [k for k, (_, m) in complete.items() if k not in dead
+            and (m.stage in RESULT_STAGES or (m.stage, k) in protected)]
+    keep: set[str] = set()
+    while todo:
+        key = todo.pop()
+        if key in keep or key not in complete:
+            continue
+        keep.add(key)
+        todo += complete[key][1].inputs.values()
+    return keep
 
 
 def file_entry(folder: Path, rel: str, rows: int | None = None) -> FileEntry:
