@@ -93,6 +93,11 @@ def plural(unit: str) -> str:
     return unit if unit.endswith("s") else unit + "s"
 
 
+def clock() -> float:
+    """Seconds on a monotonic clock; one name, so a test can give Progress a clock of its own."""
+    return time.monotonic()
+
+
 class Progress:
     """See the module docstring."""
 
@@ -102,7 +107,7 @@ class Progress:
         self.n, self.postfix = start, {}
         self.mode, self.period = mode(), period_seconds()
         self._lock = threading.Lock()
-        self._t0 = time.monotonic()
+        self._t0 = clock()
         self._next = self._t0 + self.period
         self._closed = False
         self._bar = self._open_bar() if self.mode == "bar" else None
@@ -124,7 +129,7 @@ class Progress:
             self.n += n
             if postfix:
                 self.postfix.update(postfix)
-            now = time.monotonic()
+            now = clock()
             # at the total the final line follows at close: no periodic line just before it
             due = now >= self._next and not (self.total and self.n >= self.total)
             if due:
@@ -151,7 +156,7 @@ class Progress:
     # -- reporting -------------------------------------------------------------------
 
     def elapsed(self) -> float:
-        return time.monotonic() - self._t0
+        return clock() - self._t0
 
     def rate(self) -> float:
         elapsed = self.elapsed()
@@ -167,7 +172,7 @@ class Progress:
             count += f" ({100 * n / self.total:.0f}%)"
         parts = [("stopped at " if failed else "") + count]
         if final:
-            parts.append(f"in {duration(time.monotonic() - self._t0)}")
+            parts.append(f"in {duration(clock() - self._t0)}")
         # slow work (a training update every minute) reads better as seconds per unit
         parts.append(f"{1 / rate:.3g} s/{self.unit}" if 0 < rate < 0.1 else f"{fmt_rate(rate)} {self.unit}/s")
         if not final and self.total and rate > 0:

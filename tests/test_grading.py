@@ -34,9 +34,17 @@ def test_timeout_is_reward_zero_and_bounded():
 
 
 def integral(j: int) -> str:
-    """A response whose grading costs more CPU as j grows (about 0.2 s at j = 2, 0.9 s at 7,
-    2.8 s at 10 on the CI machine kind): sympy evaluates the integral to compare it."""
+    """A response whose grading costs more CPU as j grows (sympy evaluates the integral to
+    compare it): about 0.2 s at j = 2 and 2.8 s at j = 10 on one machine, well under 2 s on
+    a faster one. Tests measure the cost on the machine they run on (cpu_cost)."""
     return rf"The area is \boxed{{\int_0^{{{j}}} x^{{{j}}} \sin(x) dx}}"
+
+
+def cpu_cost(response: str, answers: tuple[str, ...] = ("1",)) -> float:
+    """The CPU seconds grading `response` costs here, under a limit far above it."""
+    graded = grade(response, answers, 600.0)
+    assert graded.status == "ok", graded
+    return graded.seconds
 
 
 def busy_machine():
@@ -44,27 +52,43 @@ def busy_machine():
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
 
 
+def limits_from_costs(fast: list[str]) -> tuple[str, float, float]:
+    """(slow response, limit, retry limit) set from costs measured here: the limit is the
+    geometric mean of the fast responses' largest cost and the slow one's (a margin of at
+    least 2x on both sides), the retry limit 1.6x the slow one's cost. The slow response is
+    the first integral costing at least 4x the fast ones; SLOW costs several times any of
+    these (about 4x the j = 10 integral), so it exceeds both limits on any processor."""
+    top = max(cpu_cost(r) for r in fast)
+    for j in range(8, 24):
+        cost = cpu_cost(integral(j))
+        if cost >= 4 * top:
+            return integral(j), (top * cost) ** 0.5, 1.6 * cost
+    pytest.fail(f"no integral up to j = 23 costs 4x the fast responses' {top:.2f} CPU s")
+
+
 def test_verdicts_do_not_depend_on_load():
     """The same responses graded on a quiet machine and with every core busy: identical
-    rewards, statuses and retries. Costs straddle the limits: j <= 7 well inside the 2 s
-    CPU limit (a wall-clock limit would fail some of them under load), j = 10 over it but
-    inside the 6 s retry, SLOW over both. Under load each grade takes 2-3 times the wall
-    time, and the verdicts stay."""
-    responses = [integral(j) for j in (2, 3, 4, 5, 6, 7, 10)] + [SLOW, r"\boxed{3}"]
+    rewards, statuses and retries. Limits are set from the costs measured on this machine
+    (limits_from_costs): the fast integrals inside the CPU limit (a wall-clock limit would
+    fail some of them under load), the slow one over it but inside the retry, SLOW over
+    both. Under load each grade takes 2-3 times the wall time, and the verdicts stay."""
+    fast = [integral(j) for j in (2, 3, 4, 5, 6)]
+    slow, limit, retry = limits_from_costs(fast)
+    responses = fast + [slow, SLOW, r"\boxed{3}"]
     answers = [("1",)] * (len(responses) - 1) + [("3",)]
-    quiet = grade_many(responses, answers, 2.0, workers=2, chunk=1, retry_timeout_s=6.0)
+    quiet = grade_many(responses, answers, limit, workers=2, chunk=1, retry_timeout_s=retry)
     load = busy_machine()
     try:
-        loaded = grade_many(responses, answers, 2.0, workers=2, chunk=1, retry_timeout_s=6.0)
+        loaded = grade_many(responses, answers, limit, workers=2, chunk=1, retry_timeout_s=retry)
     finally:
         for p in load:
             p.kill()
             p.wait()
     assert [g[:2] for g in quiet] == [g[:2] for g in loaded]
-    assert [g.retried for g in quiet] == [g.retried for g in loaded] == [False] * 6 + [True, True, False]
-    assert [g.status for g in loaded] == ["ok"] * 7 + ["timeout", "ok"] and loaded[-1].reward == 1.0
+    assert [g.retried for g in quiet] == [g.retried for g in loaded] == [False] * 5 + [True, True, False]
+    assert [g.status for g in loaded] == ["ok"] * 6 + ["timeout", "ok"] and loaded[-1].reward == 1.0
     counts = summary(loaded)
-    assert (counts["grading_retries"], counts["grading_timeouts"], counts["status_ok"]) == (2, 1, 8)
+    assert (counts["grading_retries"], counts["grading_timeouts"], counts["status_ok"]) == (2, 1, 7)
 
 
 def test_worker_pool_matches_in_process():
