@@ -65,12 +65,76 @@ def tracking_uri() -> str:
     return f"sqlite:///{paths.mlflow_db()}"
 
 
+# A tracking server that stops answering must cost a run seconds, not MLflow's default
+# back-off (7 retries, factor 2: ~4 minutes a call, measured 9 minutes for one run): two
+# quick retries (1 s, 2 s) ride out a blip, then the run carries on without the server.
+HTTP_SETTINGS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+_FALLBACK: list[str] = []       # the SQLite URI this process tracks to since its server went away
+
+
 def client():
+    """An MLflow client for tracking_uri(), which survives ggpo's own server going away
+    mid-run (Resilient); every caller in the project gets its client here."""
     os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
     # MLflow's own "View run" lines open the GenAI layout; ggpo prints run_link's instead
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-    from mlflow import MlflowClient
-    return MlflowClient(tracking_uri=tracking_uri())
+    for name, value in HTTP_SETTINGS.items():
+        os.environ.setdefault(name, value)
+    return Resilient(_FALLBACK[0] if _FALLBACK else tracking_uri())
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether `exc` says the tracking server did not answer (as opposed to refusing a call)."""
+    import requests
+    text = str(exc)
+    return isinstance(exc, requests.exceptions.ConnectionError) or "Max retries exceeded" in text or (
+        "Connection refused" in text)
+
+
+class Resilient:
+    """An MlflowClient whose calls, once ggpo's own server (`ggpo up`) stops answering, go
+    to the SQLite file that server serves, for the rest of the process: the same runs, by
+    id, so the UI shows them complete once the server is back. Said once, on one line.
+    A server that is not ggpo's (a remote $MLFLOW_TRACKING_URI) has no file we know: its
+    errors stand, after HTTP_SETTINGS' bounded retries."""
+
+    def __init__(self, uri: str):
+        from mlflow import MlflowClient
+        self._client = MlflowClient(tracking_uri=uri)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except Exception as exc:
+                if not (unreachable(exc) and self._fall_back(exc)):
+                    raise
+                return getattr(self._client, name)(*args, **kwargs)
+        return call
+
+    def _fall_back(self, exc: BaseException) -> bool:
+        from mlflow import MlflowClient
+        uri = self._client.tracking_uri
+        if not _FALLBACK:
+            if not uri.startswith("http") or not own_server(uri):
+                return False
+            _FALLBACK.append(f"sqlite:///{paths.mlflow_db()}")
+            import sys
+            print(f"ggpo: warning: the MLflow server at {uri} stopped answering; tracking goes on in "
+                  f"{paths.mlflow_db()}, which it serves (`ggpo up` brings it back with these runs)",
+                  file=sys.stderr, flush=True)
+        self._client = MlflowClient(tracking_uri=_FALLBACK[0])
+        return True
+
+
+def own_server(uri: str) -> bool:
+    """Whether `uri` is the MLflow server `ggpo up` recorded (its SQLite file is ours)."""
+    return services.read_state().get("urls", {}).get("mlflow", "").rstrip("/") == uri.rstrip("/")
 
 
 def experiment_id(c, name: str = EXPERIMENT) -> str:
