@@ -61,6 +61,7 @@ def build_model(full: bool, vocab: int, device: torch.device):
 def one_update(model, pool, cfg, packing: str) -> float:
     """Seconds of one update's forward + backward under `packing` (on | off)."""
     import copy
+
     from pipeline.runtime import make_runtime
     from stages.train.loop import run_update
     c = cfg.updated({"train.packing": packing})

@@ -23,8 +23,8 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, wait
-from prefect.states import Cancelled, State
 from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
 
 from pipeline import dag, grading, grid, interrupt, placement, progress, report, tracking
 from pipeline.config import PipelineConfig
@@ -32,7 +32,6 @@ from pipeline.grid import Cell
 from pipeline.preflight import check_run
 from pipeline.stage import build_slot, outcome, set_parallel_builds
 from pipeline.store import Manifest, Store
-
 
 # the stages' progress and resume lines (logger "ggpo"; forwarded to the Prefect API where
 # PREFECT_LOGGING_EXTRA_LOGGERS names it, as `ggpo up`'s serve process does): INFO unless set

@@ -21,12 +21,12 @@ import os
 import sys
 from pathlib import Path
 
-from pipeline import dag, interrupt, paths, pool_source, services
+from pydantic import ValidationError
+
+from pipeline import dag, grading, interrupt, online_report, paths, pool_source, report, services, stage, tracking
 from pipeline.config import PRESET_DIR, load_config, parse_overrides, preset_names
 from pipeline.errors import BenchmarkError, ConfigError, DamagedArtifact, DatasetError, PoolError, TrainingError
 from pipeline.store import Store, gc_plan, verify_all
-from pipeline import grading, online_report, report, stage, tracking
-from pydantic import ValidationError
 
 
 def _config_args(p: argparse.ArgumentParser, default: str | None = "tiny") -> None:
@@ -161,7 +161,7 @@ def cmd_run(args) -> int:
         if interrupt.requested():       # the flow ended Cancelled: its stages stopped at safe points
             return interrupted()
         # the flow fails on "upstream task did not complete": name the stage failure behind it
-        from pipeline import placement      # stage failures on Ray workers (experiment.task_runner=ray)
+        from pipeline import placement  # stage failures on Ray workers (experiment.task_runner=ray)
         cause = next((e for _, e in stage.failures() + placement.failures() if expected_error(e) is not None), None)
         if cause is None or expected_error(exc) is not None:
             raise
@@ -200,6 +200,7 @@ def run_deployment(args) -> int:
 def watch_flow_run(client, run_id):
     """Print the run's logs until it ends (cancelling it once a stop is requested here)."""
     import time
+
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
     from prefect.states import Cancelling

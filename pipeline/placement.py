@@ -44,8 +44,8 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from pipeline.config import ConfigError
 from pipeline import paths, tracking
+from pipeline.config import ConfigError
 from pipeline.dag import STAGE_NAMES
 from pipeline.store import default_root
 

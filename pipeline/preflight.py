@@ -38,10 +38,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.config import PipelineConfig, TrainConfig, load_config, parse_overrides
-from pipeline.errors import BenchmarkError, ConfigError, DatasetError, StoreError
 from pipeline import benchmarks, dag, grid, pool_source, tasks
+from pipeline.config import PipelineConfig, TrainConfig, load_config, parse_overrides
 from pipeline.engines import check_vllm
+from pipeline.errors import BenchmarkError, ConfigError, DatasetError, StoreError
 from pipeline.runtime import resolve_device
 from pipeline.store import Store, check_store
 

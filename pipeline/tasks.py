@@ -35,8 +35,8 @@ from pipeline import countdown
 from pipeline.config import TaskConfig
 from pipeline.errors import DatasetError
 from pipeline.paths import project_file
-from pipeline.store import sha256_cached
 from pipeline.seeding import permutation, py_random
+from pipeline.store import sha256_cached
 
 BUILTIN = ("digit_sort", "arithmetic", "countdown")
 SKIP_LIMIT = 0.01       # a file with more unusable rows than this share is refused

@@ -25,10 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline import paths
-from pipeline.store import Manifest
-from pipeline import interrupt, pool_source, services
+from pipeline import interrupt, paths, pool_source, services
 from pipeline.grid import fmt, short_names
+from pipeline.store import Manifest
 
 EXPERIMENT = "ggpo-offline"
 EXPERIMENTS = {"offline": EXPERIMENT, "online": "ggpo-online"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
 from pipeline import interrupt, tasks
@@ -33,7 +34,6 @@ from pipeline.seeding import derive_seed
 from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store, model_path  # noqa: F401 - also imported from here (tests, scripts)
 from pipeline.tiny_model import build_model, build_tokenizer, save
-import pyarrow as pa
 from stages.train.policy import make_batch, token_logprobs
 
 GROUP_CHECK = 8      # samples per check prompt for the final group statistics (mean@8)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from pipeline.engines import vllm_engine as ve
 from pipeline.engines.base import LOGPROBS_MODE, Completion, Engine, SamplingParams, stop_token_ids  # noqa: F401
 from pipeline.errors import ConfigError
-from pipeline.engines import vllm_engine as ve
 
 VLLM_MISSING = ("rollout.engine=vllm needs vLLM: pip install -e '.[gpu]' on a CUDA machine, "
                 "or use rollout.engine=transformers")

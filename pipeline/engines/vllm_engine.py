@@ -33,8 +33,8 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing as mp
-import os
 import multiprocessing.util
+import os
 import traceback
 
 from pipeline.engines.base import Completion, SamplingParams, check_weights, stop_token_ids

@@ -33,10 +33,8 @@ from stages.train.diagnostics import micro_batch_stats, normalized_ess
 from stages.train.losses import LossInputs, get_loss
 from stages.train.order import groups_for_update
 from stages.train.policy import Batch, token_logprobs
-from stages.train.pool import (LP_BEH_FLOOR, Pool, batch, check_token_ids, load_pool,  # noqa: F401 - loop's API too
-                               micro_batches, padded_rows, stack_groups)
+from stages.train.pool import LP_BEH_FLOOR, Pool, batch, check_token_ids, load_pool, micro_batches, padded_rows, stack_groups  # noqa: F401 - loop's API too
 from stages.train.reference import ReferenceCache
-
 
 log = logging.getLogger("ggpo")
 # the metrics that compare the learner with the behavior log-probs (ess too, per block)
