@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 from prefect import flow, get_run_logger, task
@@ -175,10 +175,11 @@ def log_report(client, parent: str, records: list[dict], curves: list[pl.DataFra
     table = paths["markdown"].read_text() + "\n" + extra[0].read_text() + "\n" + extra[2].read_text()
     by = report.label_column(evals)        # "cell" with a grid, else "method"
     final = evals.filter(pl.col("update") == pl.col("update").max().over(by))
-    summary = {f"final_{metric.replace('@', '_at_')}/{grid.slug(m)}": float(final.filter(pl.col(by) == m)["accuracy"].mean())
+    # polars types a mean as any scalar: of these non-empty float columns it is a float
+    summary = {f"final_{metric.replace('@', '_at_')}/{grid.slug(m)}": cast(float, final.filter(pl.col(by) == m)["accuracy"].mean())
                for m in final[by].unique(maintain_order=True)}
     base = evals.filter(pl.col("update") == 0)["accuracy"].mean()
-    summary[f"base_{metric.replace('@', '_at_')}"] = float(base)
+    summary[f"base_{metric.replace('@', '_at_')}"] = cast(float, base)
     tracking.log_params_metrics(client, parent, {}, tracking.summary_metrics(summary))
     return {"table": table, "summary": summary}
 
@@ -231,7 +232,7 @@ def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: l
         except Exception:
             if not interrupt.requested():
                 raise
-            return cancelled(step)
+            return cancelled(step)  # type: ignore[return-value]  # a returned State ends the run Cancelled; callers get no State
     publish_report(result, records, preset)
     link = tracking.run_link(parent, client.get_run(parent).info.experiment_id)
     print(f"{result['table']}\nreport files: {folder}\nMLflow parent run: {link or parent}")
