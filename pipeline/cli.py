@@ -20,6 +20,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import cast
 
 from pydantic import ValidationError
 
@@ -182,9 +183,11 @@ def run_deployment(args) -> int:
         raise services.ServiceError("ggpo run --deployment needs the servers and the deployment: run `ggpo up` first")
     os.environ["PREFECT_API_URL"] = state["urls"]["prefect_api"]
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment as start
     params = {"preset": args.preset, "overrides": _overrides(args), "force": args.force}
-    run = start(f"ggpo/{args.flow}", parameters=params, timeout=0)
+    # called from sync code it returns the FlowRun (prefect's async_dispatch types the coroutine too)
+    run = cast(FlowRun, start(f"ggpo/{args.flow}", parameters=params, timeout=0))
     print(f"flow run {run.name}: {state['urls']['prefect_ui']}/runs/flow-run/{run.id}", flush=True)
     with get_client(sync_client=True) as client, interrupt.handlers():
         final = watch_flow_run(client, run.id)
@@ -384,6 +387,7 @@ def stage_online(cfg, store: Store, args) -> int:
     base = dag.run("base", cfg, {}, store)
     counts = run_cell(cfg, store, base)
     last = store.load("online_train", counts["final_round"])
+    assert last is not None     # run_cell returns after recording its last round (there is at least one)
     print(f"online cell {cfg.train.method} seed {cfg.seed}: {counts['rounds']} rounds, {counts['update']} updates\n"
           f"  counts {json.dumps({k: v for k, v in counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})}\n"
           f"  state  {counts['folder']}\n  last round {last.key}  {last.folder}\n  summary {json.dumps(last.summary)}")
@@ -478,7 +482,7 @@ def cmd_report(args) -> int:
 def print_timings(preset: str, timings: list[tuple[str, float | None]]) -> None:
     """Seconds each stage took when it was built, summed per kind of stage."""
     print(f"stage timings (preset {preset}; seconds each took when it was built):")
-    groups: dict[str, list[float]] = {}
+    groups: dict[str, list[float | None]] = {}
     for label, seconds in timings:
         groups.setdefault(label.split(" seed ")[0], []).append(seconds)
     for label, values in groups.items():
@@ -505,6 +509,7 @@ def expected_error(exc: BaseException) -> str | None:
         return str(exc)
     if isinstance(exc, ValidationError) or isinstance(exc.__context__, ValidationError) and isinstance(exc, ConfigError):
         invalid = exc if isinstance(exc, ValidationError) else exc.__context__
+        assert isinstance(invalid, ValidationError)     # the condition above
         head = str(exc).splitlines()[0].rstrip(":") if isinstance(exc, ConfigError) else "invalid config"
         fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
                            for e in invalid.errors())
