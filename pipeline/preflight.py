@@ -120,7 +120,7 @@ def problems(cfg: PipelineConfig, runs: int = 1, flow: str | None = None, shared
     if shared:
         checks = [check_store_opens, lambda: check_device(cfg), lambda: check_engine(cfg),
                   lambda: check_model(cfg), lambda: check_data(cfg), lambda: check_disk(cfg, runs, flow)] + checks
-    found = []
+    found: list[Exception] = []
     for check in checks:
         try:
             check()
