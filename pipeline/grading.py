@@ -59,7 +59,7 @@ import threading
 import time
 from collections import Counter
 from functools import lru_cache
-from typing import Callable, NamedTuple, cast
+from typing import Callable, NamedTuple, Sequence, cast
 
 from pipeline import countdown, interrupt
 
@@ -455,7 +455,7 @@ def _fail_all(message: str) -> None:
 
 # ---------------------------------------------------------------- the entry point
 
-def grade_many(responses: list[str], answers: list[tuple[str, ...]], timeout_s: float,
+def grade_many(responses: list[str], answers: Sequence[tuple[str, ...]], timeout_s: float,
                workers: int = 0, chunk: int | None = None,
                progress: Callable[[int], None] | None = None,
                retry_timeout_s: float | None = None) -> list[Graded]:

@@ -104,7 +104,7 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
     # the tiny model's warm-up stays on the CPU on every machine: the base is the same everywhere
     engine.tokenizer, engine.model, engine.batch_prompts, engine.device = tok, model, 64, torch.device("cpu")
     engine.stop_ids = [tok.eos_token_id]
-    log = {"step": [], "loss": [], "lr": [], "sampled_accuracy": []}
+    log: dict[str, list[float]] = {"step": [], "loss": [], "lr": [], "sampled_accuracy": []}
     acc, step = 0.0, 0
     # the count is an upper bound: warm-up stops once the sampled accuracy reaches the target
     with Progress("base: warm-up (stops at the target accuracy)", total=mc.sft_max_steps, unit="step") as bar:
