@@ -1,6 +1,7 @@
 # make demo: set up, start the services, run the deployment ggpo/offline on the embedded default
 # (its stage logs stream here; Ctrl-C cancels the Prefect run, which stops at safe points).
-# make test: set up, run the test suite (it starts its own servers on free ports).
+# make test: set up, lint, run the test suite (it starts its own servers on free ports).
+# make lint: ruff (pyflakes, import order) and mypy (config in pyproject.toml); any finding fails.
 # GPU users: make install GPU=1 (torch 2.14.0, the build vLLM 0.33 pins, and the gpu extra), then make demo.
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +17,7 @@ endif
 BIN := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.ggpo-installed-gpu$(GPU)
 
-.PHONY: install demo test down
+.PHONY: install demo lint test down
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,7 +33,11 @@ demo: install
 	$(BIN)/ggpo run offline --deployment
 	$(BIN)/ggpo report
 
-test: install
+lint: install
+	$(BIN)/ruff check pipeline stages flows benchmarks tests
+	$(BIN)/mypy --cache-dir .mypy_cache pipeline stages flows benchmarks
+
+test: install lint
 	$(BIN)/python -m pytest
 
 down:

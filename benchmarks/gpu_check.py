@@ -104,7 +104,8 @@ def build_tokenizer(vocab_size: int):
 def build_model(g: dict, device: torch.device):
     """Qwen3-1.7B's architecture (or the --quick miniature), random init, fp32, on `device`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    config = Qwen3Config(
+    # the ignore: transformers 5 still takes the legacy rope_theta (into rope_parameters); 4.x knows only that name
+    config = Qwen3Config(  # type: ignore[call-arg]
         vocab_size=g["vocab"], hidden_size=g["hidden"], num_hidden_layers=g["layers"],
         num_attention_heads=g["heads"], num_key_value_heads=g["kv_heads"], head_dim=g["head_dim"],
         intermediate_size=g["intermediate"], tie_word_embeddings=True, max_position_embeddings=40_960,
@@ -192,7 +193,7 @@ def train_section(model, g: dict, args) -> dict:
         policy.train()
         n_params = sum(p.numel() for p in policy.parameters())
         result["params"] = n_params
-        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, betas=tuple(cfg.train.adam_betas))
+        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, betas=cfg.train.adam_betas)
         try:
             one_update(policy, reference, opt, make_pool(g | {"groups": 2}, 64, seed=1), cfg, rt, n_params, g)
         except Exception as exc:         # a layout that cannot run here: said, the other still runs

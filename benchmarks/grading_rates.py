@@ -29,7 +29,8 @@ from pipeline import grading
 def responses(n: int, seed: int = 0) -> tuple[list[str], list[tuple[str, ...]]]:
     """n responses to n // 8 problems (8 samples each, like a rollout group)."""
     rng = random.Random(seed)
-    texts, answers = [], []
+    texts: list[str] = []
+    answers: list[tuple[str, ...]] = []
     for p in range(max(1, n // 8)):
         answer = str(rng.randint(10, 99999))
         for _ in range(8):
@@ -128,11 +129,12 @@ def main() -> None:
     workers = args.workers or grading.default_workers()
     print(f"{args.n} responses, {workers} workers, timeout {args.timeout} s; flow-like calls: {flow_sizes(args.n)}")
     print(f"{'implementation':15s} {'mode':11s} {'calls':>5s} {'seconds':>8s} {'resp/s':>8s} {'differ':>6s}")
-    for name, mode, calls, seconds, rate, differ in rows:
-        print(f"{name:15s} {mode:11s} {calls:5d} {seconds:8.2f} {rate:8.0f} {differ:6d}")
+    for name, how, calls, seconds, rate, differ in rows:
+        print(f"{name:15s} {how:11s} {calls:5d} {seconds:8.2f} {rate:8.0f} {differ:6d}")
     for name, _ in impls:
         alone, flow = (r[4] for r in rows if r[0] == name)
         print(f"{name}: flow-like / standalone = {flow / alone:.2f}")
+    assert reference is not None    # impls is never empty
     statuses = {s: sum(1 for g in reference if g[1] == s) for s in grading.STATUSES}
     print(f"statuses: {statuses}, mean reward {sum(g[0] for g in reference) / len(reference):.3f}")
 

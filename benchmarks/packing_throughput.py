@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a plain script
 
@@ -49,7 +50,7 @@ def make_pool(groups: int, m: int, vocab: int, median: int, top: int, seed: int)
 
 def build_model(full: bool, vocab: int, device: torch.device):
     from transformers import Qwen3Config, Qwen3ForCausalLM
-    shape = (dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+    shape: dict[str, Any] = (dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, intermediate_size=6144) if full else
              dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=64, intermediate_size=768))
@@ -61,6 +62,7 @@ def build_model(full: bool, vocab: int, device: torch.device):
 def one_update(model, pool, cfg, packing: str) -> float:
     """Seconds of one update's forward + backward under `packing` (on | off)."""
     import copy
+
     from pipeline.runtime import make_runtime
     from stages.train.loop import run_update
     c = cfg.updated({"train.packing": packing})
@@ -104,7 +106,7 @@ def main() -> None:
     print(f"device {device}, {args.groups} groups x 8 responses, response tokens {tokens} (median {lens[len(lens) // 2]}, "
           f"max {lens[-1]}), budget {args.budget}; padded layout: {padded_cells} body tokens, "
           f"{100 * (1 - real / padded_cells):.1f}% padding")
-    times = {"off": [], "on": []}
+    times: dict[str, list[float]] = {"off": [], "on": []}
     one_update(model, pool, cfg, "off")              # warm-up (allocator, kernels)
     for r in range(args.repeats):
         for packing in (("off", "on") if r % 2 == 0 else ("on", "off")):

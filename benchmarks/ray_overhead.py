@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -153,7 +153,7 @@ def seed_store(cache: Path, base_folder: Path) -> None:
 
 
 def run_flow(runner: str, cache: Path, home: Path, api: str, preset: str = "smoke",
-             overrides: list[str] = (), address: str | None = None, timeout: int = 900) -> tuple[float, str]:
+             overrides: Sequence[str] = (), address: str | None = None, timeout: int = 900) -> tuple[float, str]:
     """`ggpo run offline` in a subprocess with its own store and state; (seconds, output).
     Raises with the output's tail when the run fails."""
     env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
@@ -194,8 +194,8 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     args = ap.parse_args()
     source = base_folder(args.preset, args.overrides)
-    with tempfile.TemporaryDirectory(prefix="ggpo-ray-bench-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="ggpo-ray-bench-") as name:
+        tmp = Path(name)
         with prefect_server(tmp / "prefect") as api, local_cluster(args.cpus) as address:
             times, stores = {}, {}
             for runner in ("threads", "ray"):

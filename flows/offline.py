@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture, wait
-from prefect.states import Cancelled, State
 from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
 
 from pipeline import dag, grading, grid, interrupt, placement, progress, report, tracking
 from pipeline.config import PipelineConfig
@@ -32,7 +32,6 @@ from pipeline.grid import Cell
 from pipeline.preflight import check_run
 from pipeline.stage import build_slot, outcome, set_parallel_builds
 from pipeline.store import Manifest, Store
-
 
 # the stages' progress and resume lines (logger "ggpo"; forwarded to the Prefect API where
 # PREFECT_LOGGING_EXTRA_LOGGERS names it, as `ggpo up`'s serve process does): INFO unless set
@@ -176,10 +175,11 @@ def log_report(client, parent: str, records: list[dict], curves: list[pl.DataFra
     table = paths["markdown"].read_text() + "\n" + extra[0].read_text() + "\n" + extra[2].read_text()
     by = report.label_column(evals)        # "cell" with a grid, else "method"
     final = evals.filter(pl.col("update") == pl.col("update").max().over(by))
-    summary = {f"final_{metric.replace('@', '_at_')}/{grid.slug(m)}": float(final.filter(pl.col(by) == m)["accuracy"].mean())
+    # polars types a mean as any scalar: of these non-empty float columns it is a float
+    summary = {f"final_{metric.replace('@', '_at_')}/{grid.slug(m)}": cast(float, final.filter(pl.col(by) == m)["accuracy"].mean())
                for m in final[by].unique(maintain_order=True)}
     base = evals.filter(pl.col("update") == 0)["accuracy"].mean()
-    summary[f"base_{metric.replace('@', '_at_')}"] = float(base)
+    summary[f"base_{metric.replace('@', '_at_')}"] = cast(float, base)
     tracking.log_params_metrics(client, parent, {}, tracking.summary_metrics(summary))
     return {"table": table, "summary": summary}
 
@@ -232,7 +232,7 @@ def ggpo(preset: str = "tiny", overrides: dict[str, Any] | None = None, force: l
         except Exception:
             if not interrupt.requested():
                 raise
-            return cancelled(step)
+            return cancelled(step)  # type: ignore[return-value]  # a returned State ends the run Cancelled; callers get no State
     publish_report(result, records, preset)
     link = tracking.run_link(parent, client.get_run(parent).info.experiment_id)
     print(f"{result['table']}\nreport files: {folder}\nMLflow parent run: {link or parent}")

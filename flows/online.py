@@ -133,8 +133,12 @@ def collect(cells: list[Cell], futures: list, evals: list, step: Runner, cfg: Pi
         tracking.log_params_metrics(client, runs[cell_name(cell)], {}, [(f"eval/{key}", m.summary[key], stub["update"])])
     for cell in cells:
         c = cell.config
-        manifests = [store.load("online_train", dag.online_keys(c, r)["online_train"])
-                     for r in range(done[cell_name(cell)]["rounds"])]
+        manifests = []
+        for r in range(done[cell_name(cell)]["rounds"]):
+            m = store.load("online_train", dag.online_keys(c, r)["online_train"])
+            if m is None:
+                raise RuntimeError(f"cell {cell_name(cell)} finished without the record of its round {r}")
+            manifests.append(m)
         curves.append(online_report.cell_curves(cell, cfg, manifests))
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "rounds.json"
@@ -173,7 +177,7 @@ def ggpo_online(preset: str = "tiny-online", overrides: dict[str, Any] | None = 
         except Exception:
             if not interrupt.requested():
                 raise
-            return cancelled(step)
+            return cancelled(step)  # type: ignore[return-value]  # a returned State ends the run Cancelled; callers get no State
     publish_report(result, evaluations.to_dicts(), preset)
     link = tracking.run_link(parent, client.get_run(parent).info.experiment_id)
     print(f"{result['table']}\nreport files: {folder}\nMLflow parent run: {link or parent}")

@@ -67,6 +67,7 @@ def _from_hub(name: str) -> tuple[pl.DataFrame, str]:
     id_column = spec.pop("id")
     ds = load_dataset(**spec)
     df = pl.from_arrow(ds.data.table)
+    assert isinstance(df, pl.DataFrame)     # from a Table (a Series comes from an Array)
     if id_column in df.columns and id_column != "id":
         df = df.rename({id_column: "id"})
     return df.with_columns(pl.col("id").cast(pl.Utf8)) if "id" in df.columns else df, f"{spec['path']} ({spec['split']})"
@@ -81,6 +82,7 @@ def content_key(names: list[str], data_dir: str | Path | None) -> dict[str, str]
 
 
 def load(name: str, data_dir: str | Path) -> list[BenchProblem]:
+    path: str | Path        # the hub's dataset id and split, or the file
     if str(data_dir) == "hub":
         df, path = _from_hub(name)
     else:

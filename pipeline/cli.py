@@ -20,13 +20,14 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import cast
 
-from pipeline import dag, interrupt, paths, pool_source, services
-from pipeline.config import PRESET_DIR, load_config, parse_overrides, preset_names
-from pipeline.errors import (BenchmarkError, ConfigError, DatasetError, ExpectedError, NonFiniteUpdate, PoolError)
-from pipeline.store import Store, gc_plan, verify_all
-from pipeline import grading, online_report, report, stage, tracking
 from pydantic import ValidationError
+
+from pipeline import dag, grading, interrupt, online_report, paths, pool_source, report, services, stage, tracking
+from pipeline.config import PRESET_DIR, load_config, parse_overrides, preset_names
+from pipeline.errors import BenchmarkError, ConfigError, DatasetError, ExpectedError, NonFiniteUpdate, PoolError
+from pipeline.store import Store, gc_plan, verify_all
 
 
 def _config_args(p: argparse.ArgumentParser, default: str | None = "tiny") -> None:
@@ -161,7 +162,7 @@ def cmd_run(args) -> int:
         if interrupt.requested():       # the flow ended Cancelled: its stages stopped at safe points
             return interrupted()
         # the flow fails on "upstream task did not complete": name the stage failure behind it
-        from pipeline import placement      # stage failures on Ray workers (experiment.task_runner=ray)
+        from pipeline import placement  # stage failures on Ray workers (experiment.task_runner=ray)
         cause = next((e for _, e in stage.failures() + placement.failures() if expected_error(e) is not None), None)
         if cause is None or expected_error(exc) is not None:
             raise
@@ -182,9 +183,11 @@ def run_deployment(args) -> int:
         raise services.ServiceError("ggpo run --deployment needs the servers and the deployment: run `ggpo up` first")
     os.environ["PREFECT_API_URL"] = state["urls"]["prefect_api"]
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment as start
     params = {"preset": args.preset, "overrides": _overrides(args), "force": args.force}
-    run = start(f"ggpo/{args.flow}", parameters=params, timeout=0)
+    # called from sync code it returns the FlowRun (prefect's async_dispatch types the coroutine too)
+    run = cast(FlowRun, start(f"ggpo/{args.flow}", parameters=params, timeout=0))
     print(f"flow run {run.name}: {state['urls']['prefect_ui']}/runs/flow-run/{run.id}", flush=True)
     with get_client(sync_client=True) as client, interrupt.handlers():
         final = watch_flow_run(client, run.id)
@@ -200,6 +203,7 @@ def run_deployment(args) -> int:
 def watch_flow_run(client, run_id):
     """Print the run's logs until it ends (cancelling it once a stop is requested here)."""
     import time
+
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.client.schemas.sorting import LogSort
     from prefect.states import Cancelling
@@ -383,6 +387,7 @@ def stage_online(cfg, store: Store, args) -> int:
     base = dag.run("base", cfg, {}, store)
     counts = run_cell(cfg, store, base)
     last = store.load("online_train", counts["final_round"])
+    assert last is not None     # run_cell returns after recording its last round (there is at least one)
     print(f"online cell {cfg.train.method} seed {cfg.seed}: {counts['rounds']} rounds, {counts['update']} updates\n"
           f"  counts {json.dumps({k: v for k, v in counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})}\n"
           f"  state  {counts['folder']}\n  last round {last.key}  {last.folder}\n  summary {json.dumps(last.summary)}")
@@ -477,7 +482,7 @@ def cmd_report(args) -> int:
 def print_timings(preset: str, timings: list[tuple[str, float | None]]) -> None:
     """Seconds each stage took when it was built, summed per kind of stage."""
     print(f"stage timings (preset {preset}; seconds each took when it was built):")
-    groups: dict[str, list[float]] = {}
+    groups: dict[str, list[float | None]] = {}
     for label, seconds in timings:
         groups.setdefault(label.split(" seed ")[0], []).append(seconds)
     for label, values in groups.items():
@@ -512,6 +517,7 @@ def expected_error(exc: BaseException) -> str | None:
     a bug, which keeps its traceback."""
     if isinstance(exc, ValidationError) or isinstance(exc.__context__, ValidationError) and isinstance(exc, ConfigError):
         invalid = exc if isinstance(exc, ValidationError) else exc.__context__
+        assert isinstance(invalid, ValidationError)     # the condition above
         head = str(exc).splitlines()[0].rstrip(":") if isinstance(exc, ConfigError) else "invalid config"
         fields = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']} (got {e.get('input')!r})"
                            for e in invalid.errors())

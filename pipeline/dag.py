@@ -12,11 +12,10 @@ import hashlib
 import importlib
 
 from pipeline.config import PipelineConfig
+from pipeline.errors import DamagedArtifact, MissingInput
 from pipeline.grid import cells
 from pipeline.stage import StageSpec, content_key, key_for, run_stage
-from pipeline.errors import DamagedArtifact, MissingInput
-from pipeline.store import Manifest, Store
-from pipeline.store import canonical_json as canonical
+from pipeline.store import Manifest, Store, canonical_json as canonical
 
 STAGE_NAMES = ("base", "rollout", "verify", "filter", "train", "evaluate", "online_pool", "online_train",
                "online_policy", "pool_import", "score")

@@ -59,7 +59,7 @@ import threading
 import time
 from collections import Counter
 from functools import lru_cache
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence, cast
 
 from pipeline import countdown, interrupt
 
@@ -410,7 +410,7 @@ def _watch() -> None:
         return
     reason = (f"{len(stuck)} worker(s) stuck past the time limit" if stuck else
               f"{len(dead)} worker(s) died" if dead else f"no word from the workers for {silent_for:.1f} s")
-    _restart(pool, stuck, {p.pid for p in dead}, now, reason)
+    _restart(pool, stuck, {p.pid for p in dead if p.pid is not None}, now, reason)     # started: each has a pid
 
 
 def _restart(pool: _Pool, stuck: set[int], dead: set[int], now: float, reason: str) -> None:
@@ -455,7 +455,7 @@ def _fail_all(message: str) -> None:
 
 # ---------------------------------------------------------------- the entry point
 
-def grade_many(responses: list[str], answers: list[tuple[str, ...]], timeout_s: float,
+def grade_many(responses: list[str], answers: Sequence[tuple[str, ...]], timeout_s: float,
                workers: int = 0, chunk: int | None = None,
                progress: Callable[[int], None] | None = None,
                retry_timeout_s: float | None = None) -> list[Graded]:
@@ -536,7 +536,7 @@ def _grade_pooled(items: list, timeout_s: float, workers: int, chunk: int | None
             if error:
                 raise RuntimeError(f"grading {len(items)} responses: {error}")
             if done == len(items):
-                return list(call.results)
+                return cast(list[Graded], list(call.results))     # every item delivered: no None left
             time.sleep(0.02)   # let results gather: one wake per batch, not one per response
     finally:
         with _LOCK:

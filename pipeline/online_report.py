@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 
@@ -119,13 +119,14 @@ def pivot_table(evals: pl.DataFrame, field: str, title: str) -> tuple[str, pl.Da
     """Final accuracy with `field` as columns, one row per method and other grid values;
     None unless some method ran with more than one value of `field`."""
     values = evals[field].unique(maintain_order=True).to_list()
-    if evals.group_by("method").agg(pl.col(field).n_unique())[field].max() < 2:
+    # polars types a column's max as any scalar: here a count (evals is never empty)
+    if cast(int, evals.group_by("method").agg(pl.col(field).n_unique())[field].max()) < 2:
         return None     # one value per method (GRPO fixed, GGPO 160 by default): nothing to compare
     rows = [c for c in evals.columns if c not in ("cell", "seed", "update", "accuracy", field)]
     agg = _agg(finals(evals), rows + [field])
     lines = [title, "", "| " + " | ".join(rows) + " | " + " | ".join(f"{field}={v}" for v in values) + " |",
              "|" + "---|" * (len(rows) + len(values))]
-    full = evals["update"].max()
+    full = cast(int, evals["update"].max())
     for key in agg.select(rows).unique(maintain_order=True).iter_rows():
         sub = agg.filter(pl.all_horizontal([pl.col(c) == v for c, v in zip(rows, key)]))
         by_value = {r[field]: r for r in sub.iter_rows(named=True)}
@@ -159,12 +160,14 @@ def diagnostics(curves: pl.DataFrame) -> pl.DataFrame:
 def markdown_final(evals: pl.DataFrame, metric: str) -> str:
     agg = _agg(finals(evals), ["cell", "N", "t_ref"])
     base = evals.filter(pl.col("update") == 0)["accuracy"].mean()
-    full = evals["update"].max()
-    lines = [f"Final accuracy ({metric}, %; base policy {100 * base:.2f})", "",
+    full = cast(int, evals["update"].max())
+    # None when the cache holds no base evaluation (`ggpo report` on a partly built experiment)
+    base_text = f"base policy {100 * base:.2f}" if isinstance(base, float) else "base policy not evaluated"
+    lines = [f"Final accuracy ({metric}, %; {base_text})", "",
              "| cell | N | t_ref | seeds | update | final |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['cell']} | {r['N']} | {r['t_ref']} | {r['seeds']} | {r['update']} | "
               f"{fmt_cell(r['mean'], r['std'])} |" for r in agg.iter_rows(named=True)]
-    if agg["update"].min() < full:
+    if cast(int, agg["update"].min()) < full:
         lines += ["", f"A cell whose update is below {full} stopped there: a round after it could not fill its pool "
                       "with mixed-reward groups within online.max_draws (its policy solved or failed nearly every "
                       "prompt; online.on_stall = stop), and its policy at that update is its final."]
@@ -250,9 +253,9 @@ def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) 
     diag.write_csv(folder / "diagnostics.csv")
     curves.write_csv(folder / "curves.csv")
     paths += [folder / "diagnostics.csv", folder / "curves.csv"] + figures(evals, curves, diag, folder)
-    table = "\n".join(parts)
-    (folder / "report.md").write_text(table)
-    return table, [folder / "report.md"] + paths
+    markdown = "\n".join(parts)
+    (folder / "report.md").write_text(markdown)
+    return markdown, [folder / "report.md"] + paths
 
 
 def log(client, parent: str, evals: pl.DataFrame, curves: pl.DataFrame, cfg: PipelineConfig, folder: Path) -> dict:
@@ -265,7 +268,8 @@ def log(client, parent: str, evals: pl.DataFrame, curves: pl.DataFrame, cfg: Pip
         client.log_artifact(parent, str(path), artifact_path="report")
     agg = _agg(finals(evals), ["cell"])
     summary = {f"final_{metric.replace('@', '_at_')}/{grid.slug(r['cell'])}": r["mean"] for r in agg.iter_rows(named=True)}
-    summary[f"base_{metric.replace('@', '_at_')}"] = float(evals.filter(pl.col("update") == 0)["accuracy"].mean())
+    # the flow waits for every cell's base evaluation: the mean is a float
+    summary[f"base_{metric.replace('@', '_at_')}"] = cast(float, evals.filter(pl.col("update") == 0)["accuracy"].mean())
     tracking.log_params_metrics(client, parent, {}, tracking.summary_metrics(
         {k: v for k, v in summary.items() if v is not None and not math.isnan(v)}))
     return {"table": table, "summary": summary}

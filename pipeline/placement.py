@@ -44,8 +44,8 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from pipeline.config import ConfigError
 from pipeline import paths, tracking
+from pipeline.config import ConfigError
 from pipeline.dag import STAGE_NAMES
 from pipeline.store import default_root
 
@@ -184,7 +184,7 @@ def stage_resources(stage: str, cfg) -> dict[str, Any]:
     return {"num_cpus": cfg.model.threads if stage in MODEL_STAGES or stage == "base" else 1}
 
 
-class ConfiguredTaskRunner(TaskRunner):
+class ConfiguredTaskRunner(TaskRunner[PrefectFuture[Any]]):     # what @flow's task_runner takes
     """The flow decorator's task runner: a shell that Prefect enters before the flow body
     runs, and that `use(cfg)` fills with the runner the config names. A flow that never
     calls `use` runs its tasks in threads, as before."""
@@ -204,6 +204,7 @@ class ConfiguredTaskRunner(TaskRunner):
     def _runner(self) -> TaskRunner:
         if self.inner is None:
             self.start(ThreadPoolTaskRunner(max_workers=THREADS))
+        assert self.inner is not None   # start set it
         return self.inner
 
     def submit(self, task, parameters, wait_for=None, dependencies=None):

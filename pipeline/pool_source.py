@@ -91,6 +91,7 @@ class _Table:
 
 def _locate(pc: PoolConfig) -> tuple[str, Path | str]:
     """(kind, path or id): an existing file, a saved dataset folder, else a dataset id."""
+    assert pc.source is not None    # callers read a pool only when pool.source is set
     path = project_file(pc.source)
     if path.is_file():
         if path.suffix not in FILE_SUFFIXES:
@@ -144,18 +145,18 @@ def digest(pc: PoolConfig) -> str:
 
 def _read(pc: PoolConfig) -> tuple[str, _Table]:
     kind, where = _locate(pc)
-    if kind == "file" and where.suffix == ".jsonl":
-        numbered = list(iter_jsonl(where, PoolError))
+    if kind == "file" and Path(where).suffix == ".jsonl":   # Path(): a file comes as its Path already
+        numbered = list(iter_jsonl(Path(where), PoolError))
         rows = [row for _, row in numbered]
         columns = list(dict.fromkeys(k for row in rows for k in row))
-        return kind, _Table(str(where), rows, [f"line {n}" for n, _ in numbered], columns, where.stem)
+        return kind, _Table(str(where), rows, [f"line {n}" for n, _ in numbered], columns, Path(where).stem)
     if kind == "file":
         import polars as pl
         try:
             frame = pl.read_parquet(where)
         except Exception as exc:
             raise PoolError(f"{where}: not a readable Parquet file ({str(exc).splitlines()[0]})") from None
-        rows, columns, name, stem = frame.to_dicts(), frame.columns, str(where), where.stem
+        rows, columns, name, stem = frame.to_dicts(), frame.columns, str(where), Path(where).stem
     else:
         ds = _dataset(kind, where, pc.split)
         rows, columns = ds.to_list(), list(ds.column_names)
@@ -242,7 +243,8 @@ def short(value: Any) -> str:
 
 def _problem_rows(f: _Fields) -> list[Group]:
     """One row per problem: lists of responses (and rewards, log-probs)."""
-    groups, seen = [], {}
+    groups: list[Group] = []
+    seen: dict[str, int] = {}
     for i in range(len(f.table.rows)):
         pid = str(f.get(i, "id")) if f.has("id") and f.get(i, "id") is not None else f"{f.table.stem}-{i}"
         if pid in seen:
@@ -282,7 +284,9 @@ def _parallel(f: _Fields, i: int, field: str, n: int) -> list:
 def _response_rows(f: _Fields) -> list[Group]:
     """One row per response, grouped by `group` (else the problem id), in order of first row."""
     groups: dict[str, list] = {}
-    pids, firsts, seen = {}, {}, {}
+    pids: dict[str, str] = {}
+    firsts: dict[str, tuple[int, str, str, str]] = {}     # group -> its first row, problem, answer, id
+    seen: dict[tuple[str, str], int] = {}
     for i in range(len(f.table.rows)):
         problem, answer = f.text(i, "problem"), f.text(i, "answer")
         given_id = f.get(i, "id") if f.has("id") else None

@@ -38,10 +38,10 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.config import PipelineConfig, TrainConfig, load_config, parse_overrides
-from pipeline.errors import BenchmarkError, ConfigError, DatasetError, StoreError
 from pipeline import benchmarks, dag, grid, pool_source, tasks
+from pipeline.config import PipelineConfig, TrainConfig, load_config, parse_overrides
 from pipeline.engines import check_vllm
+from pipeline.errors import BenchmarkError, ConfigError, DatasetError, StoreError
 from pipeline.runtime import resolve_device
 from pipeline.store import Store, check_store
 
@@ -120,7 +120,7 @@ def problems(cfg: PipelineConfig, runs: int = 1, flow: str | None = None, shared
     if shared:
         checks = [check_store_opens, lambda: check_device(cfg), lambda: check_engine(cfg),
                   lambda: check_model(cfg), lambda: check_data(cfg), lambda: check_disk(cfg, runs, flow)] + checks
-    found = []
+    found: list[Exception] = []
     for check in checks:
         try:
             check()

@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from typing import Any
+from uuid import UUID
 
 log = logging.getLogger("ggpo")
 
@@ -104,7 +105,8 @@ class Progress:
     def __init__(self, desc: str, total: int | None = None, unit: str = "item", start: int = 0,
                  key: str | None = None):
         self.desc, self.total, self.unit, self.start = desc, total, unit, start
-        self.n, self.postfix = start, {}
+        self.n = start
+        self.postfix: dict[str, Any] = {}
         self.mode, self.period = mode(), period_seconds()
         self._lock = threading.Lock()
         self._t0 = clock()
@@ -204,6 +206,7 @@ class Progress:
                     nrows=None if sized else 40, leave=True)
 
     def _bar_update(self, n: int, postfix: dict) -> None:
+        assert self._bar is not None    # update calls this only with a bar
         if postfix:
             self._bar.set_postfix({k: fmt_value(v) for k, v in postfix.items()}, refresh=False)
         self._bar.update(n)
@@ -214,7 +217,8 @@ class _Artifact:
     logged once at DEBUG level and turns the artifact off: progress never breaks a stage."""
 
     def __init__(self, key: str):
-        self.key, self.id, self.dead = key, None, not in_prefect_run()
+        self.key, self.dead = key, not in_prefect_run()
+        self.id: UUID | None = None
 
     def update(self, percent: float, description: str) -> None:
         if self.dead:
@@ -223,10 +227,11 @@ class _Artifact:
             from prefect.artifacts import create_progress_artifact, update_progress_artifact
             if self.id is None:
                 # _sync: a plain call even where Prefect guesses an async context
-                self.id = create_progress_artifact(progress=percent, key=self.key, description=description,
+                # the ignores: prefect's types omit async_dispatch's _sync keyword (so the sync result, a UUID)
+                self.id = create_progress_artifact(progress=percent, key=self.key, description=description,  # type: ignore[call-arg, assignment]
                                                    _sync=True)
             else:
-                update_progress_artifact(self.id, progress=percent, description=description, _sync=True)
+                update_progress_artifact(self.id, progress=percent, description=description, _sync=True)  # type: ignore[call-arg]
         except Exception as e:       # noqa: BLE001 - progress must never fail the work it reports
             self.dead = True
             log.debug("progress artifact %s disabled: %s: %s", self.key, type(e).__name__, e)

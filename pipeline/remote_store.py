@@ -33,8 +33,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from pipeline.errors import StoreError
 from pipeline import paths
+from pipeline.errors import StoreError
 
 OPTIONS_ENV = "GGPO_CACHE_OPTIONS"
 STAGING_ENV = "GGPO_STAGING"

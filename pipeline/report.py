@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 import polars as pl
+
 from pipeline import dag, grid
 
 

@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from pipeline import interrupt
+from pipeline import interrupt, tasks
 from pipeline.config import PipelineConfig
 from pipeline.errors import DamagedArtifact
 from pipeline.store import Manifest, Store, check, file_entry, now_iso, stage_key
-from pipeline import tasks
 
 log = logging.getLogger("ggpo")
 

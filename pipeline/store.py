@@ -310,6 +310,7 @@ class Store:
         manifest, problem = parse_manifest(path.read_text(), path.parent.name, stage, key)
         if problem:
             return None, [problem]
+        assert manifest is not None     # parse_manifest returns a manifest or a problem
         if manifest.folder != str(path.parent):     # relative in the file (or the cache moved): its files are here
             manifest = manifest.model_copy(update={"folder": str(path.parent)})
         return manifest, check(manifest, hashes)
@@ -317,6 +318,7 @@ class Store:
     def _inspect_remote(self, stage: str, key: str, hashes: bool) -> tuple[Manifest | None, list[str]]:
         """The remote manifest decides; the artifact is downloaded into the local mirror
         (once: a mirror whose manifest equals the remote one is current) and checked there."""
+        assert self.remote is not None      # inspect calls this for a remote store only
         local = self.folder(stage, key)
         text = self.remote.read_manifest(local.name)
         if text is None:
@@ -324,6 +326,7 @@ class Store:
         manifest, problem = parse_manifest(text, local.name, stage, key)
         if problem:
             return None, [f"{problem} at {self.url}"]
+        assert manifest is not None     # as in inspect
         manifest = manifest.model_copy(update={"folder": str(local)})
         mirrored = local / MANIFEST
         with mirror_lock(self.root, local.name):    # threads and processes sharing this mirror fetch once
@@ -455,6 +458,7 @@ def verify_all(store: Store) -> tuple[int, int, int, list[str]]:
 
 
 def _verify_remote(store: Store) -> tuple[int, int, int, list[str]]:
+    assert store.remote is not None     # verify_all calls this for a remote store only
     artifacts = files = size = 0
     problems = []
     for name, text in store.remote.manifests():

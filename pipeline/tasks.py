@@ -35,8 +35,8 @@ from pipeline import countdown
 from pipeline.config import TaskConfig
 from pipeline.errors import DatasetError
 from pipeline.paths import project_file
-from pipeline.store import sha256_cached
 from pipeline.seeding import permutation, py_random
+from pipeline.store import sha256_cached
 
 BUILTIN = ("digit_sort", "arithmetic", "countdown")
 SKIP_LIMIT = 0.01       # a file with more unusable rows than this share is refused
@@ -78,7 +78,8 @@ def draw(name: str, difficulty: int, rng) -> tuple[str, str, str]:
 def sample_problems(cfg: TaskConfig, purpose: str, count: int, exclude: set[str]) -> list[tuple[str, str]]:
     """`count` distinct (problem, answer) pairs of a built-in task from stream `purpose`."""
     rng = py_random(cfg.split_seed, f"task/{cfg.name}/d{cfg.difficulty}/{purpose}")
-    seen, out = set(exclude), []
+    seen = set(exclude)
+    out: list[tuple[str, str]] = []
     for _ in range(count * 50):
         if len(out) == count:
             return out
@@ -89,7 +90,7 @@ def sample_problems(cfg: TaskConfig, purpose: str, count: int, exclude: set[str]
     raise DatasetError(f"task '{cfg.name}' level {cfg.difficulty} has too few distinct problems for {count}")
 
 
-def iter_jsonl(path: Path, error: type[Exception] = None):
+def iter_jsonl(path: Path, error: type[Exception] | None = None):
     """(1-based line number, object) for each non-blank line of a JSONL file; a malformed
     line raises `error` naming the file and the line."""
     error = error or DatasetError
@@ -108,7 +109,7 @@ def iter_jsonl(path: Path, error: type[Exception] = None):
             yield number, row
 
 
-def read_jsonl(path: Path, error: type[Exception] = None) -> pl.DataFrame:
+def read_jsonl(path: Path, error: type[Exception] | None = None) -> pl.DataFrame:
     """A JSONL file as a frame, one JSON object per non-blank line (iter_jsonl)."""
     error = error or DatasetError
     rows = [row for _, row in iter_jsonl(path, error)]
@@ -118,7 +119,7 @@ def read_jsonl(path: Path, error: type[Exception] = None) -> pl.DataFrame:
         raise error(f"{path}: the rows do not form a table ({str(exc).splitlines()[0]})") from None
 
 
-def read_table(path: Path, error: type[Exception] = None) -> pl.DataFrame:
+def read_table(path: Path, error: type[Exception] | None = None) -> pl.DataFrame:
     """A .parquet or .jsonl file as a frame; an unreadable file raises `error` naming it."""
     error = error or DatasetError
     if path.suffix != ".parquet":

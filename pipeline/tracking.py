@@ -25,10 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline import paths
-from pipeline.store import Manifest
-from pipeline import interrupt, pool_source, services
+from pipeline import interrupt, paths, pool_source, services
 from pipeline.grid import fmt, short_names
+from pipeline.store import Manifest
 
 EXPERIMENT = "ggpo-offline"
 EXPERIMENTS = {"offline": EXPERIMENT, "online": "ggpo-online"}
@@ -338,16 +337,16 @@ def log_files(c, run_id: str, manifest: Manifest) -> None:
 
 
 def log_pool_dataset(c, run_id: str, manifest: Manifest) -> None:
-    import mlflow.data
     import polars as pl
     from mlflow.data.dataset_source_registry import get_dataset_source_from_json
+    from mlflow.data.polars_dataset import from_polars  # what mlflow.data.from_polars is, set there at run time
     from mlflow.entities import DatasetInput, InputTag
     path = manifest.path("train_pool")
     df = pl.read_parquet(path, columns=["prompt_id", "group", "sample", "reward", "response_length"])
     # an explicit "local" source: a bare path matches two identical MLflow source classes
     # ("" and "file" schemes) and MLflow warned on every run
     source = get_dataset_source_from_json(json.dumps({"uri": str(path)}), "local")
-    ds = mlflow.data.from_polars(df, source=source, name=f"train_pool-{manifest.key[:16]}")
+    ds = from_polars(df, source=source, name=f"train_pool-{manifest.key[:16]}")
     c.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(),
                                                 tags=[InputTag("mlflow.data.context", "training")])])
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pyarrow as pa
 import torch
 
 from pipeline import interrupt, tasks
@@ -33,7 +34,6 @@ from pipeline.seeding import derive_seed
 from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store, model_path  # noqa: F401 - also imported from here (tests, scripts)
 from pipeline.tiny_model import build_model, build_tokenizer, save
-import pyarrow as pa
 from stages.train.policy import make_batch, token_logprobs
 
 GROUP_CHECK = 8      # samples per check prompt for the final group statistics (mean@8)
@@ -104,7 +104,7 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
     # the tiny model's warm-up stays on the CPU on every machine: the base is the same everywhere
     engine.tokenizer, engine.model, engine.batch_prompts, engine.device = tok, model, 64, torch.device("cpu")
     engine.stop_ids = [tok.eos_token_id]
-    log = {"step": [], "loss": [], "lr": [], "sampled_accuracy": []}
+    log: dict[str, list[float]] = {"step": [], "loss": [], "lr": [], "sampled_accuracy": []}
     acc, step = 0.0, 0
     # the count is an upper bound: warm-up stops once the sampled accuracy reaches the target
     with Progress("base: warm-up (stops at the target accuracy)", total=mc.sft_max_steps, unit="step") as bar:

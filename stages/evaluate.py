@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 import polars as pl
 
@@ -39,7 +40,7 @@ def eval_problems(cfg: PipelineConfig) -> list[benchmarks.BenchProblem]:
     return [p for name in ec.benchmarks for p in benchmarks.load(name, ec.data_dir)[:ec.limit]]
 
 
-def prompt_builder(cfg: PipelineConfig, tokenizer) -> tuple[str, callable]:
+def prompt_builder(cfg: PipelineConfig, tokenizer) -> tuple[str, Callable[[str], str]]:
     """(description of the template, problem -> prompt text) for eval.prompt (tasks.prompt_builder)."""
     kind = cfg.eval.prompt
     if kind == "auto":

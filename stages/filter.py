@@ -9,6 +9,7 @@ and status, sorted by group then sample) and stats: groups kept, all-correct, al
 from __future__ import annotations
 
 from pathlib import Path
+from typing import cast
 
 import polars as pl
 
@@ -35,7 +36,8 @@ def keep_mixed(rows: pl.DataFrame, m: int, where: str = "filter") -> tuple[pl.Da
         "groups_total": per_group.height, "groups_kept": kept.len(),
         "groups_all_correct": same.filter(pl.col("hi") > 0.5).height,
         "groups_all_wrong": same.filter(pl.col("hi") <= 0.5).height,
-        "responses_kept": pool.height, "pool_mean_reward": float(pool["reward"].mean()) if pool.height else 0.0,
+        # polars types a mean as any scalar: of a non-empty float column it is a float
+        "responses_kept": pool.height, "pool_mean_reward": cast(float, pool["reward"].mean()) if pool.height else 0.0,
     }
     return pool, stats
 

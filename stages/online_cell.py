@@ -51,7 +51,7 @@ import torch
 
 from pipeline import dag, interrupt
 from pipeline.config import PipelineConfig
-from pipeline.engines import make_engine
+from pipeline.engines import Engine, make_engine
 from pipeline.errors import TrainingError
 from pipeline.hf import load_tokenizer
 from pipeline.runtime import Runtime, make_runtime, release_device_memory
@@ -78,8 +78,8 @@ class Cell:
     folder: Path
     rt: Runtime
     tokenizer: object
-    engine: object = None
-    writer: object = None          # the checkpoint write in flight (one process)
+    engine: Engine | None = None
+    writer: Writer | None = None    # the checkpoint write in flight (one process)
     counts: dict = field(default_factory=lambda: {"engine_starts": 0, "rounds_sampled": 0, "rounds_replayed": 0,
                                                   "rounds_skipped": 0, "checkpoints_written": 0})
 
@@ -206,6 +206,15 @@ def round_manifest(cell: Cell, stage: str, r: int) -> Manifest | None:
     return found.model_copy(update={"cache_hit": True}) if found is not None else None
 
 
+def committed(cell: Cell, stage: str, r: int) -> Manifest:
+    """Round r's artifact of `stage` that rank 0 committed before the last barrier."""
+    found = round_manifest(cell, stage, r)
+    if found is None:
+        raise TrainingError(f"online cell: round {r}'s {stage} artifact, written by rank 0, is not in the store at "
+                            f"{cell.store.location}: every rank (every node) must use one store (GGPO_CACHE)")
+    return found
+
+
 def barrier() -> None:
     d = distributed.current()
     if d is not None:
@@ -236,7 +245,7 @@ def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy
         pool = sync_and_sample(cell, weights, cfg_r, policy)
     del weights
     barrier()
-    return pool or round_manifest(cell, "online_pool", r)
+    return pool or committed(cell, "online_pool", r)
 
 
 def sync_and_sample(cell: Cell, weights: list, cfg_r: PipelineConfig, policy: Manifest) -> Manifest:
@@ -290,7 +299,7 @@ def record_round(cell: Cell, cfg_r: PipelineConfig, inputs: dict[str, Manifest],
             log.warning("online round %d replayed to a final loss of %r, its record says %r (bit-exact only on "
                         "the CPU)", r, rows[-1]["loss"], trained.summary["final_loss"])
     barrier()
-    return trained if cell.main else round_manifest(cell, "online_train", r)
+    return trained if cell.main else committed(cell, "online_train", r)
 
 
 def one_round(cell: Cell, st: TrainState, r: int, prev: Manifest | None) -> tuple[Manifest, Manifest]:
@@ -353,6 +362,7 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
             except online_pool.RefillError as exc:
                 if r == 0 or cfg.online.on_stall != "stop" or distributed.current() is not None:
                     raise
+                assert prev is not None     # r > 0: the round before it
                 stalled = stop_at_stall(cell, st, r, prev, exc)
                 break
             if (r + 1) % every == 0 or r + 1 == rounds:
@@ -427,7 +437,11 @@ def main(argv: list[str] | None = None) -> None:
     args, cfg, d = rank_setup("stages.online_cell", ("--config", "--store", "--base", "--counts"), argv)
     try:
         store = Store(args.store)
-        counts = run_cell(cfg, store, store.load("base", args.base))
+        base = store.load("base", args.base)
+        if base is None:
+            raise TrainingError(f"online cell rank {d.rank}: the base model {args.base[:16]} is not in the store at "
+                                f"{store.location}: every rank (every node) must use one store (GGPO_CACHE)")
+        counts = run_cell(cfg, store, base)
         if d.is_main:
             write_text_atomic(Path(args.counts), json.dumps(counts))
         d.barrier()

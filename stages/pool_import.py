@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from typing import cast
 
 import polars as pl
 import pyarrow as pa
@@ -69,7 +70,7 @@ def choose(groups: list[pool_source.Group], m: int, seed: int) -> tuple[list[tup
         if n < m:
             small += 1
             continue
-        picks = range(n)
+        picks: range | list[int] = range(n)
         if n > m:
             larger += 1
             picks = sorted(py_random(seed, f"{CHOICE_STREAM}/{g.prompt_id}").sample(range(n), m))
@@ -163,7 +164,8 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     chosen, counts = choose(src.groups, cfg.rollout.group_size, cfg.seed)
     cols, truncated = tokenize(chosen, tok, to_prompt, cfg, src.name)
     cols["reward"], cols["status"], reward_counts = rewards(cfg, chosen, cols["response_text"])
-    pool, stats = keep_mixed(pl.from_arrow(pa.table(cols, schema=TRAIN_POOL)), cfg.rollout.group_size, "pool_import")
+    frame = cast(pl.DataFrame, pl.from_arrow(pa.table(cols, schema=TRAIN_POOL)))     # a Table gives a DataFrame
+    pool, stats = keep_mixed(frame, cfg.rollout.group_size, "pool_import")
     n = write_parquet(pool.to_arrow(), TRAIN_POOL, folder / "train_pool.parquet")
     trail = provenance(chosen, cols, truncated, set(pool["group"].to_list()))
     n_prov = write_parquet(trail, POOL_PROVENANCE, folder / "provenance.parquet")

@@ -12,18 +12,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from pipeline import progress, tasks
 from pipeline.config import PipelineConfig
 from pipeline.engines import SamplingParams, make_engine
+from pipeline.hf import load_model
+from pipeline.runtime import make_runtime
 from pipeline.schemas import PROMPTS, ROLLOUTS, write_parquet
 from pipeline.seeding import derive_seed, py_random
 from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store, model_path
-from pipeline.hf import load_model
-from pipeline.runtime import make_runtime
 from stages.train.loop import policy_logprobs
 from stages.train.policy import make_batch
-import torch
 
 
 def prompt_table(problems: list[tasks.Problem], tokenizer, style: str = "task") -> dict[str, list]:

@@ -37,6 +37,7 @@ def sigkill_after_checkpoint(argv: list[str], ckpt_dir: Path, first: int, stop: 
     import signal
     import subprocess
     import time
+
     from stages.train import checkpoint
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
@@ -64,6 +65,7 @@ def interrupt_offline_run(env: dict, seed: int, extra: list[str], deployment: bo
     import signal
     import subprocess
     import time
+
     from pipeline import dag
     from pipeline.config import load_config
     from pipeline.store import Store
@@ -136,6 +138,7 @@ def logit_scale(base_manifest, pool):
     the scale and terms of its log-probs' rounding tolerance (tests/tolerance.py)."""
     import polars as pl
     import torch
+
     from pipeline.hf import load_model
     from stages.base import model_path
     from stages.train.policy import make_batch

@@ -140,6 +140,7 @@ def test_base_group_statistics():
 @pytest.mark.parametrize("answer", ["countdown:3 5 x=22", "countdown:3 5 7", "countdown:=22", "countdown:3 5 7=2.5"])
 def test_a_malformed_countdown_reference_in_a_task_file_names_the_row(tmp_path, answer):
     import polars as pl
+
     from pipeline import tasks
     from pipeline.errors import DatasetError
     path = tmp_path / "t.parquet"

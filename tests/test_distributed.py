@@ -16,11 +16,12 @@ from safetensors.torch import load_file
 
 from pipeline import dag
 from pipeline.config import ConfigError, load_config
+from pipeline.errors import TrainingError
 from pipeline.preflight import preflight
 from pipeline.store import MANIFEST, Store
 from stages import train
 from stages.train import checkpoint, distributed
-from pipeline.errors import TrainingError
+
 from tolerance import assert_same_training
 
 CFG = ["train.method=grpo_tis", "train.updates=4", "train.updates_per_step=2", "train.t_ref=2",

@@ -6,6 +6,7 @@ from pipeline.engines import SamplingParams
 from pipeline.engines.hf import TransformersEngine
 from stages.base import model_path
 from stages.train.policy import make_batch, token_logprobs
+
 from tolerance import assert_close
 
 PROMPTS = ["Q:123\nA:", "Q:98765\nA:", "Q:4\nA:", "Q:3141592\nA:"]
@@ -43,6 +44,7 @@ def test_stop_ids_include_the_generation_config_eos_list(base_manifest, tmp_path
     transformers engine stops on it too, the ids vLLM is given (engines/base.py)."""
     import json
     import shutil
+
     from pipeline.engines import stop_token_ids
     folder = tmp_path / "model"
     shutil.copytree(model_path(base_manifest), folder)

@@ -8,8 +8,7 @@ import os
 
 import pytest
 
-from pipeline import benchmarks, dag, tasks
-from pipeline import errors as project_errors
+from pipeline import benchmarks, dag, errors as project_errors, tasks
 from pipeline.cli import main
 from pipeline.config import load_config
 
@@ -107,6 +106,7 @@ def test_bad_input_to_a_flow_is_one_line_before_anything_starts(tmp_path, bad, s
     """`ggpo run` checks config and data before it starts Prefect, MLflow, a grading worker
     or a model: one line on stderr, nothing else anywhere (no Prefect or event noise)."""
     import subprocess
+
     from conftest import BIN, REPO
     (tmp_path / "empty.jsonl").write_text("")
     write_jsonl(tmp_path / "broken.jsonl", [{"problem": "1+1", "answer": "2"}], bad_line=2)

@@ -17,8 +17,8 @@ from stages import train
 from stages.train import loop
 from stages.train.losses import LossInputs, get_loss
 from stages.train.packing import pack_groups, split_by_count
-from tolerance import assert_same_training, rounding_tol
 
+from tolerance import assert_same_training, rounding_tol
 
 # --- packing -----------------------------------------------------------------------
 
@@ -232,8 +232,10 @@ def test_paper_preset_rollout_runs_on_cpu_past_its_training_file(base_manifest):
     """The qwen3-1.7b preset from the shipped data (no ../shared), with the tiny model and CPU
     settings: the MATH train file loads, its 2 answerless rows are skipped and counted."""
     import subprocess
-    from conftest import BIN, REPO
+
     from stages.base import model_path
+
+    from conftest import BIN, REPO
     res = subprocess.run([str(BIN / "ggpo"), "stage", "rollout", "--preset", "qwen3-1.7b", "--no-track",
                           "--set", f"model.name_or_path={model_path(base_manifest)}", "--set", "rollout.engine=hf",
                           "--set", "train.device=cpu", "--set", "model.threads=1", "--set", "task.n_train=2",
@@ -249,6 +251,7 @@ def test_a_bf16_reference_keeps_fp32_rotary_frequencies_at_long_positions():
     log-probs up to position 4,096 equal those of a model whose parameters alone were cast
     by hand. Module.to(bf16) (what the runtime did) moves them: the check can fail."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     from stages.train.policy import make_batch, token_logprobs
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -314,6 +317,7 @@ def test_packed_rows_give_the_padded_logprobs_and_gradients(tied, dtype):
     dtype's rounding (two computations; scale: the largest logit / gradient, terms: the
     longest sum, the vocabulary), for tied and untied heads."""
     from stages.train.policy import make_batch, token_logprobs
+
     from tolerance import assert_close
     model = _lm(tied, dtype)
     g = torch.Generator().manual_seed(3)
@@ -380,9 +384,10 @@ def test_an_update_reads_the_device_once(base_manifest, pool, monkeypatch):
     micro-batches. (transformers' sdpa mask builder reads a padded batch's attention mask;
     packed batches have none.)"""
     import sys
+
+    from stages.base import model_path
     from stages.train.loop import new_state, run_update
     from stages.train.pool import load_pool
-    from stages.base import model_path
     cfg = load_config("smoke", ["train.method=grpo_tis", "train.micro_batch_groups=3"])
     rt = make_runtime(cfg.train)
     st = new_state(cfg, model_path(base_manifest), model_path(base_manifest), rt)

@@ -15,8 +15,8 @@ import pytest
 
 from pipeline import dag
 from pipeline.cli import main
-from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.errors import DamagedArtifact
+from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import MANIFEST, Manifest, Store, sha256_file
 
 

@@ -4,8 +4,18 @@ import torch
 
 from pipeline.config import TrainConfig
 from stages.train.diagnostics import micro_batch_stats, normalized_ess
-from stages.train.losses import (LossInputs, agro_coefficients, agro_loss, get_loss, ggpo_coefficients,
-                                 ggpo_group_loss, ggpo_loss, group_advantages, grpo_loss, grpo_tis_loss)
+from stages.train.losses import (
+    LossInputs,
+    agro_coefficients,
+    agro_loss,
+    get_loss,
+    ggpo_coefficients,
+    ggpo_group_loss,
+    ggpo_loss,
+    group_advantages,
+    grpo_loss,
+    grpo_tis_loss,
+)
 
 LP = [[-0.5, -1.2, -0.3], [-2.0, -0.7], [-0.9, -0.4, -1.1], [-1.5]]
 D_OLD = [[0.10, -0.06, 0.00], [0.30, 0.00], [-0.25, 0.02, 0.07], [0.00]]
@@ -137,6 +147,7 @@ def test_diagnostics_golden():
 
 def test_entropy_golden():
     from types import SimpleNamespace
+
     from stages.train.policy import make_batch, token_logprobs
     probs = torch.tensor([0.7, 0.2, 0.1])
     model = lambda input_ids, **_: SimpleNamespace(logits=probs.log().expand(1, input_ids.shape[1], 3))

@@ -191,6 +191,15 @@ def test_report_marks_a_cell_that_stopped_early(tmp_path):
     assert "| ggpo | 20 | 30.00 ± 0.00 | 15.50 ± 20.51 (stopped at update 16) |" in table
 
 
+
+def test_report_without_a_base_evaluation():
+    """`ggpo report` on a partly built cache: a cell's online evaluations without the base
+    policy's (its mean is None) say so instead of failing on None."""
+    from pipeline import online_report
+    evals = pl.DataFrame([{"method": "ggpo", "cell": "ggpo", "N": 1, "t_ref": "20", "seed": 42, "update": u,
+                           "accuracy": a} for u, a in ((4, 0.25), (8, 0.5))])
+    table = online_report.markdown_final(evals, "mean@8")
+    assert "(mean@8, %; base policy not evaluated)" in table and "| ggpo | 1 | 20 | 1 | 8 | 50.00 |" in table
 @pytest.mark.servers
 def test_flow_with_parallel_builds_equals_sequential_rounds(tmp_path, base_manifest):
     """The online flow builds two cells' rounds concurrently (threads) while a bf16 sampler

@@ -306,6 +306,19 @@ def test_a_foreign_checkpoint_and_a_missing_round_are_one_line(tmp_path, base_ma
     assert "\n" not in str(e.value)
 
 
+
+def test_a_rank_that_cannot_see_rank_0s_artifact_says_so(tmp_path):
+    """A rank (on another node) whose store lacks the round rank 0 committed: one line that
+    names the store, not an AttributeError on None further on."""
+    from stages.online_cell import Cell, committed
+    cfg = cfg_of(**{"train.updates": 4})
+    cell = Cell(cfg, Store(str(tmp_path / "s")), None, [dag.online_keys(cfg, 0)], tmp_path / "state", None, None)
+    with pytest.raises(TrainingError, match=r"round 0's online_pool artifact, written by rank 0, is not in the store "
+                                            r"at .*every rank \(every node\) must use one store") as e:
+        committed(cell, "online_pool", 0)
+    assert "\n" not in str(e.value)
+
+
 # --------------------------------------------------------------------------- ranks
 
 def test_two_gloo_ranks_match_one_process(tmp_path, base_manifest):

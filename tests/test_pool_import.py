@@ -242,8 +242,8 @@ def test_tokenized_as_the_trainer_with_given_logprobs_and_truncation_marked(tmp_
     cfg, m = imported(write_jsonl(tmp_path / "given.jsonl", rows), base_manifest, trust_rewards=True)
     assert m.summary["behavior_logprobs"] == "given" and m.summary["groups_kept"] == 2
     pool_rows = pl.read_parquet(m.path("train_pool")).sort(["group", "sample"])
-    from stages.rollout import prompt_table
     from pipeline.tasks import Problem
+    from stages.rollout import prompt_table
     assert pool_rows["prompt_token_ids"][0].to_list() == prompt_table([Problem("s", "312", "123")], tok)[
         "prompt_token_ids"][0]
     ids = tok(rows[0]["response"], add_special_tokens=False)["input_ids"]

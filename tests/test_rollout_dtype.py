@@ -11,6 +11,7 @@ from pipeline.engines.hf import weights_dtype
 from pipeline.store import Store
 from stages import filter as filt, rollout, train, verify
 from stages.base import model_path
+
 from tolerance import rounding_tol
 
 TRAIN_N1 = ["train.method=grpo_tis", "train.updates=1", "train.updates_per_step=1"]

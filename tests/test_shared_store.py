@@ -27,11 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port
 from pipeline.errors import DamagedArtifact, StoreError
 from pipeline.store import MANIFEST, Manifest, Store, check_store
 from stages import filter as filt
 from stages.base import model_path
+
+from conftest import REPO, free_port
 
 BUCKET = "ggpo-test"
 

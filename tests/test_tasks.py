@@ -4,10 +4,10 @@ import json
 import polars as pl
 import pytest
 
-from pipeline.config import TaskConfig, load_config
-from pipeline.store import MANIFEST
 from pipeline import tasks
+from pipeline.config import TaskConfig, load_config
 from pipeline.errors import DatasetError
+from pipeline.store import MANIFEST
 from pipeline.tasks import load_file, splits
 
 

@@ -11,8 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.config import ConfigError
-from pipeline.engines import Completion, SamplingParams, make_engine
-from pipeline.engines import vllm_engine as ve
+from pipeline.engines import Completion, SamplingParams, make_engine, vllm_engine as ve
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

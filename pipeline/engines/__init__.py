@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from pipeline.engines import vllm_engine as ve
 from pipeline.engines.base import LOGPROBS_MODE, Completion, Engine, SamplingParams, stop_token_ids  # noqa: F401
 from pipeline.errors import ConfigError
-from pipeline.engines import vllm_engine as ve
 
 VLLM_MISSING = ("rollout.engine=vllm needs vLLM: pip install -e '.[gpu]' on a CUDA machine, "
                 "or use rollout.engine=transformers")
@@ -66,7 +66,7 @@ def make_engine(kind: str, model_path: str, batch_prompts: int = 64, threads: in
     overrides it (e.g. "auto" for an engine that should not copy the sampler's precision);
     `device` goes to the transformers engine when given. `resident`: an online cell's sampler,
     whose weights are synced in place (load_weights) and which sleeps between rounds."""
-    dtype = dtype or getattr(rollout_cfg, "dtype", "auto")
+    dtype = dtype or str(getattr(rollout_cfg, "dtype", "auto"))    # str(): a RolloutConfig's dtype is one
     if kind == "transformers":
         from pipeline.engines.hf import TransformersEngine
         extra = {} if device is None else {"device": device}

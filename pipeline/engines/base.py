@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:       # annotations only: this module stays importable without torch
     import torch
@@ -47,6 +47,7 @@ class Completion:
 class Engine(Protocol):
     name: str
     logprobs_mode: str
+    tokenizer: Any      # the HF tokenizer of the model folder (the stages build prompts with it)
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
         """params.n completions for each prompt, in prompt order."""

@@ -33,12 +33,12 @@ from __future__ import annotations
 import contextlib
 import math
 import multiprocessing as mp
-import os
 import multiprocessing.util
+import os
 import traceback
 
-from pipeline.errors import VLLMOutputError
 from pipeline.engines.base import Completion, SamplingParams, check_weights, stop_token_ids
+from pipeline.errors import VLLMOutputError
 
 # No torch / transformers / vllm at module level: a spawned shard process imports this
 # module first and should reach vLLM's own import (and its CUDA setup) quickly.
@@ -185,7 +185,7 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     """{HF parameter name: shape} of a model folder's safetensors files (headers only)."""
     import json
     from pathlib import Path
-    out = {}
+    out: dict[str, tuple[int, ...]] = {}
     for path in sorted(Path(model_path).glob("*.safetensors")):
         with open(path, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
@@ -269,6 +269,7 @@ def _stop_workers(workers: list) -> None:
 class VLLMEngine:
     name = "vllm"
     logprobs_mode = LOGPROBS_MODE
+    _workers: list[tuple]       # (process, pipe end, devices) of each data-parallel shard
 
     def __init__(self, model_path: str, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85,
                  data_parallel: int = 1, gpu_ids: list[str] | None = None, seed: int = 0,

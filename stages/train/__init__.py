@@ -15,15 +15,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.config import PipelineConfig
+from pipeline.errors import TrainingError
 from pipeline.hf import load_tokenizer
+from pipeline.pool_source import behavior_refusal
 from pipeline.schemas import TRAIN_METRICS, write_parquet
 from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store, model_path
 from stages.train import distributed, torchrun
-from pipeline.errors import TrainingError
 from stages.train.loop import load_pool, snapshot_files, train
 from stages.train.order import order_hash
-from pipeline.pool_source import behavior_refusal
 
 
 def check(cfg: PipelineConfig, pool_manifest: Manifest) -> None:

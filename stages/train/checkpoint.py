@@ -23,6 +23,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -84,6 +85,7 @@ def _save_dcp(folder: Path, update: int, model, optimizer, meta: dict) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     d = current()
+    assert d is not None    # a sharded model: this process is a rank
     name = f"dcp-{update:06d}"
     tmp, final = folder / f".{name}.tmp", folder / name
     if d.is_main:
@@ -154,7 +156,7 @@ def _restore_full_into_sharded(state: dict, model, optimizer) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
     names = [n for n, _ in model.named_parameters()]
     osd = state["optimizer"]
-    named = {"state": {names[i]: v for i, v in osd["state"].items()},
+    named: dict[str, Any] = {"state": {names[i]: v for i, v in osd["state"].items()},
              "param_groups": [g | {"params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=named,
                    options=StateDictOptions(full_state_dict=True))

@@ -40,12 +40,16 @@ import os
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from pipeline.runtime import resolve_device
 from stages.train.policy import token_logprobs
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # test hook: "RANK:UPDATE" makes that rank die (os._exit(9)) right after the checkpoint of
 # that update, as a killed worker would
@@ -58,7 +62,7 @@ class Dist:
     world: int
     local_rank: int
     device: torch.device
-    mesh: object            # torch.distributed.device_mesh.DeviceMesh, 1-D over all ranks
+    mesh: DeviceMesh        # 1-D over all ranks
 
     @property
     def is_main(self) -> bool:
@@ -181,6 +185,7 @@ def save_sharded_policy(model, tokenizer, tmp: Path, final: Path) -> None:
     """`final` as an HF folder of the gathered full weights, written by rank 0 (temp name,
     then rename); every rank calls it (the gather is a collective)."""
     d = current()
+    assert d is not None    # a sharded model: this process is a rank
     full = policy_state(model, rank0_only=True)
     if d.is_main:
         if getattr(model.config, "tie_word_embeddings", False):   # as save_pretrained drops them

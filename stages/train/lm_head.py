@@ -114,8 +114,8 @@ class _ChunkedLogProbFn(torch.autograd.Function):
                 h_c = hidden[s:e].to(cdt)
                 gz = _chunk_grad_logits(_chunk_logits(h_c, w, b, tau), lse[s:e], targets[s:e],
                                         grad_lp[s:e].to(lse.dtype), tau)
-                _accumulate_vocab_blocks(gz, w, h_c, g_h[s:e] if need_h else None, g_w)
-                if need_b:
+                _accumulate_vocab_blocks(gz, w, h_c, g_h[s:e] if g_h is not None else None, g_w)
+                if g_b is not None:     # need_b
                     g_b += gz.sum(0)
                 del gz
         g_h = None if g_h is None else g_h.to(hidden.dtype)

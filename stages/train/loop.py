@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 from pipeline import interrupt
 from pipeline.config import PipelineConfig, TrainConfig
@@ -33,10 +34,8 @@ from stages.train.diagnostics import micro_batch_stats, normalized_ess
 from stages.train.losses import LossInputs, get_loss
 from stages.train.order import groups_for_update
 from stages.train.policy import Batch, token_logprobs
-from stages.train.pool import (LP_BEH_FLOOR, Pool, batch, check_token_ids, load_pool,  # noqa: F401 - loop's API too
-                               micro_batches, padded_rows, stack_groups)
+from stages.train.pool import LP_BEH_FLOOR, Pool, batch, check_token_ids, load_pool, micro_batches, padded_rows, stack_groups  # noqa: F401 - loop's API too
 from stages.train.reference import ReferenceCache
-
 
 log = logging.getLogger("ggpo")
 # the metrics that compare the learner with the behavior log-probs (ess too, per block)
@@ -64,7 +63,7 @@ def step_anchor(model, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_i
                 rt: Runtime) -> dict[int, torch.Tensor]:
     """lp_old (spec 8.1): the trainer's log-probs of a step's groups at the step start,
     {group: [m, T_g]} on the training device."""
-    out = {}
+    out: dict[int, torch.Tensor] = {}
     for chunk, real in my_micro_batches(pool, sorted(set(groups)), cfg.train, rt.packed):
         lp, _ = policy_logprobs(model, batch(pool, chunk, pad_id, rt.packed), rt, cfg.rollout.temperature)
         if real:
@@ -145,14 +144,14 @@ def run_update(model, reference, pool: Pool, groups: list[int], cfg: PipelineCon
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip)
     if hasattr(grad_norm, "full_tensor"):    # FSDP: a DTensor, already reduced over the mesh
         grad_norm = grad_norm.full_tensor()
-    row, grad_norm = to_host(parts, grad_norm)
+    row, norm = to_host(parts, grad_norm)
     d = distributed.current()
     if d is not None:            # global sums over the ranks' shards (T_tot is global already)
         row = distributed.combine(d.gather(row))
     n_seq = len(groups) * m
     count = row.pop("success_ess_count", 0)
     row |= {"mean_ell": row.pop("ell_sum", 0.0) / n_seq, "ggpo_raw_loss": row.pop("ggpo_raw_sum", 0.0) / len(groups),
-            "success_ess": row.pop("success_ess_sum", 0.0) / count if count else None, "grad_norm": grad_norm,
+            "success_ess": row.pop("success_ess_sum", 0.0) / count if count else None, "grad_norm": norm,
             "reward": sum(pool.reward_means[g] for g in groups) / len(groups), "response_length": t_tot / n_seq,
             "tokens": t_tot}
     if not pool.has_behavior:     # computed against zeros, not a behavior policy: left empty, not faked
@@ -166,7 +165,7 @@ def to_host(parts: list[MicroBatch], grad_norm: torch.Tensor) -> tuple[dict, flo
     names = sorted({k for p in parts for k in p.sums})
     scalars = [torch.stack([p.sums[k].to(torch.float64) for p in parts if k in p.sums]).sum() for k in names]
     peak = torch.stack([p.max_abs_log_ratio.to(torch.float64) for p in parts]).max() if parts else None
-    head = torch.stack(scalars + ([peak] if parts else []) + [grad_norm.to(torch.float64).to(scalars[0].device)
+    head = torch.stack(scalars + ([peak] if peak is not None else []) + [grad_norm.to(torch.float64).to(scalars[0].device)
                                                              if scalars else grad_norm.to(torch.float64)])
     seq = [p.seq_log_ratio.to(device=head.device, dtype=torch.float64) for p in parts]
     values = torch.cat([head] + seq).tolist()
@@ -207,7 +206,7 @@ class TrainState:
     number of updates done, metrics rows, the current step's anchor log-probs (lp_old) and
     the sequence log ratios of the unfinished ESS block; and, not checkpointed, the
     reference log-probs of the current reference window (reference.py)."""
-    model: torch.nn.Module
+    model: PreTrainedModel     # FSDP-wrapped under torchrun (a subclass)
     reference: torch.nn.Module
     opt: torch.optim.Optimizer
     update: int = 0
@@ -222,7 +221,7 @@ def new_state(cfg: PipelineConfig, policy_path: str, reference_path: str, rt: Ru
     tc = cfg.train
     model, reference = rt.prepare(load_model(policy_path)), rt.prepare_reference(load_model(reference_path))
     model = distributed.shard_policy(model, rt.autocast_dtype, tc.fsdp_param_dtype)   # under torchrun only; before the optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tuple(tc.adam_betas), weight_decay=tc.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.adam_betas, weight_decay=tc.weight_decay)
     return TrainState(model, reference, opt)
 
 
@@ -325,7 +324,7 @@ def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, fold
                     save_checkpoint(st, ckpt_dir, tc)
                 raise interrupt.stopped(f"{desc} at update {st.update}") from None
             st.rows.append(row)
-            if u + 1 in snapshots and u + 1 < stop:
+            if u + 1 in snapshots and u + 1 < stop and folder is not None:     # snapshots: with a folder only
                 save_policy(st.model, tokenizer, snapshot_dir(folder, u + 1))
             if ckpt_dir is not None and ((u + 1) % tc.checkpoint_every == 0 or u + 1 == stop):
                 save_checkpoint(st, ckpt_dir, tc)

@@ -174,6 +174,7 @@ def ggpo_clipped_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[s
     if inp.lp_old is None:
         raise ValueError("ggpo with train.ggpo_clip_delta needs lp_old (the step-start recompute)")
     delta = cfg.ggpo_clip_delta
+    assert delta is not None    # ggpo_loss calls this only with the delta set
     ell, rt = kl_adjusted_rewards(inp, cfg.beta)
     _, c_hat = ggpo_coefficients(rt.detach(), cfg.beta)
     c = c_hat[..., None]

@@ -63,7 +63,9 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
     rows = [p + r for p, r in zip(prompt_ids, response_ids)]
     t_max = max(max(map(len, response_ids)), 1)
     mask = torch.zeros((len(rows), t_max))
-    sel_rows, sel_cols, targets, flat = [], [], [], []
+    sel_rows, targets = [], []
+    sel_cols: list[int] = []
+    flat: list[int] = []
     offset = 0
     for b, (p, r) in enumerate(zip(prompt_ids, response_ids)):
         start = offset if packed else 0
@@ -107,7 +109,7 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     lp_flat, ent_flat = chunked_logprobs(hidden, weight, batch.targets_flat, temperature, chunk_tokens,
                                          with_entropy, bias, check_ids=False)
     lp = scatter_rows(lp_flat, batch)
-    entropy = scatter_rows(ent_flat.detach(), batch) if with_entropy else None
+    entropy = scatter_rows(ent_flat.detach(), batch) if ent_flat is not None else None     # with_entropy
     return lp, entropy
 
 
