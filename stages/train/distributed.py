@@ -17,7 +17,8 @@ rank context. This module imports nothing of the loop or the checkpoints:
   sharded either way. Gradients are
   SUMMED over ranks, not averaged: each rank's loss is already divided by the update's
   global token count T_tot. The reference policy is frozen and replicated (every rank holds
-  it whole, bf16 on CUDA); a refresh copies the gathered full policy into it;
+  it whole, in the precision runtime.prepare_reference gives it); a refresh copies the
+  gathered full policy into it;
 - an update's groups are split into contiguous shards of whole groups (`shards`), every
   rank runs the same number of micro-batches (`lockstep`: FSDP's all-gathers are
   collectives, so a rank with fewer pads with a zero-weight micro-batch), and the metrics
