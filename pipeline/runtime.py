@@ -146,16 +146,28 @@ def resolve_device(name: str, setting: str = "train.device") -> torch.device:
 
 def packing_plan(setting: str, device: torch.device) -> tuple[bool, str | None]:
     """(packed, attention implementation) for train.packing on `device`. Packed rows need
-    an attention that isolates them cheaply: flash-attn's varlen kernels (from the rows'
-    position_ids) on CUDA; else flex attention's block-sparse mask; on the CPU sdpa with a
-    dense block-diagonal mask (exact, but quadratic in the whole micro-batch: for checks)."""
+    an attention that isolates them cheaply. On CUDA, `auto` and `on` pack: flash-attn's
+    varlen kernels when flash-attn is installed (the rows' boundaries passed once per
+    forward, policy.Batch.attention_kwargs), else torch's flex attention with a block-sparse
+    mask (in torch since 2.5; the pinned GPU stack installs no flash-attn, so this is the
+    GPU default). On the CPU only `on` packs, with sdpa and a dense block-diagonal mask
+    (exact, but quadratic in the whole micro-batch: for checks)."""
     if setting == "off":
         return False, None
     if device.type == "cuda":
         if importlib.util.find_spec("flash_attn") is not None:
             return True, "flash_attention_2"
-        return (True, "flex_attention") if setting == "on" else (False, None)
+        if _flex_attention_available():
+            return True, "flex_attention"
+        if setting == "on":
+            raise ConfigError(f"train.packing=on needs flash-attn or flex attention (torch >= 2.5); this torch "
+                              f"{torch.__version__} has neither: use train.packing=auto or off")
+        return False, None
     return (True, "sdpa") if setting == "on" else (False, None)
+
+
+def _flex_attention_available() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
 def make_runtime(tc: TrainConfig) -> Runtime:

@@ -441,3 +441,63 @@ def test_an_update_reads_the_device_once(base_manifest, pool, monkeypatch):
     monkeypatch.undo()
     assert calls == ["tolist"], calls
     assert math.isfinite(row["loss"]) and len(row["seq_log_ratio"]) == 64
+
+
+def test_auto_packs_on_cuda_with_flex_attention_when_flash_attn_is_absent(monkeypatch):
+    """train.packing=auto on a GPU without flash-attn (the pinned stack installs none) packs
+    with flex attention instead of silently padding; flash-attn's varlen kernels when present."""
+    import importlib.util
+    from pipeline import runtime
+    real = importlib.util.find_spec
+    cuda = torch.device("cuda")
+    for flash, expected in ((False, (True, "flex_attention")), (True, (True, "flash_attention_2"))):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, flash=flash: (object() if flash else None) if name == "flash_attn"
+                            else real(name, *a))
+        assert runtime.packing_plan("auto", cuda) == expected
+        assert runtime.packing_plan("on", cuda) == expected
+        assert runtime.packing_plan("off", cuda) == (False, None)
+    assert runtime.packing_plan("auto", torch.device("cpu")) == (False, None)
+    assert runtime.packing_plan("on", torch.device("cpu")) == (True, "sdpa")
+
+
+def test_packed_rows_reach_a_varlen_attention_with_their_boundaries_once():
+    """A flash-style varlen attention (registered here: it isolates rows by cu_seq_lens
+    alone, as flash_attn_varlen_func does, and gets no mask) receives in every layer the
+    boundaries make_batch built on the host, as flash attention's kwargs; with them the
+    packed log-probs equal the padded ones within rounding. Without them transformers'
+    flash path would rebuild the boundaries from position_ids in each layer (a
+    device-to-host read per layer)."""
+    from transformers import AttentionInterface
+    from stages.train.policy import make_batch, token_logprobs
+    from tolerance import assert_close
+    seen = []
+
+    def varlen(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+        seen.append((cu, longest, attention_mask))
+        assert cu is not None and torch.equal(cu, kwargs["cu_seq_lens_k"]) and isinstance(longest, int)
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+        bounds = cu.tolist()
+        out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling)
+            for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("ggpo_test_varlen", varlen)
+    model = _lm(True, torch.float64)
+    g = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(3, 300, (n,), generator=g).tolist()    # noqa: E731
+    prompts, responses = [ids(4), ids(7), ids(2)], [ids(30), ids(5), ids(12)]
+    padded = make_batch(prompts, responses, 0)
+    with torch.no_grad():
+        lp_pad, _ = token_logprobs(model, padded, 0.7)
+        z = model(input_ids=padded.input_ids).logits.abs().max().item() / 0.7
+        model.set_attn_implementation("ggpo_test_varlen")
+        packed = make_batch(prompts, responses, 0, packed=True)
+        lp_pack, _ = token_logprobs(model, packed, 0.7)
+    assert packed.cu_seq_lens.tolist() == [0, 34, 46, 60] and packed.max_length == 34
+    assert len(seen) == model.config.num_hidden_layers
+    assert all(torch.equal(cu, packed.cu_seq_lens) and n == 34 and mask is None for cu, n, mask in seen)
+    assert_close(lp_pack, lp_pad, torch.float64, z, 32, "varlen packed vs padded", computations=2)
