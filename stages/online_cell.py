@@ -213,13 +213,12 @@ def barrier() -> None:
 
 
 def learner_weights(st: TrainState) -> list[tuple[str, object]]:
-    """The learner's parameters under their HF names, full tensors (a collective under
-    torchrun: every rank gathers, rank 0 sends)."""
+    """The learner's parameters under their HF names (tied weights once), full tensors. Under
+    torchrun a collective, one parameter at a time: only rank 0, which syncs the sampler,
+    keeps them; the other ranks get [] (distributed.full_parameters_on_main)."""
     if not distributed.is_sharded(st.model):
         return list(st.model.named_parameters())
-    names = [n for n, _ in st.model.named_parameters()]      # tied weights once, as the checkpoint has them
-    full = distributed.policy_state(st.model)
-    return [(n, full[n]) for n in names]
+    return distributed.full_parameters_on_main(st.model)
 
 
 def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy: Manifest) -> Manifest:

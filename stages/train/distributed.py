@@ -178,6 +178,23 @@ def policy_state(model, rank0_only: bool = False) -> dict:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
 
 
+def full_parameters_on_main(model) -> list[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter of an FSDP model, on rank 0's device, for a
+    sampler sync only rank 0 performs; [] on the other ranks. A collective: every rank
+    gathers one parameter at a time, in named_parameters' order (the same on every rank),
+    and drops it at once unless it is rank 0, so no other rank ever holds more than one
+    full parameter (a full state dict would put the whole fp32 model on every GPU)."""
+    d = current()
+    out = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+            if d is None or d.is_main:
+                out.append((name, full))
+            del full
+    return out
+
+
 def save_sharded_policy(model, tokenizer, tmp: Path, final: Path) -> None:
     """`final` as an HF folder of the gathered full weights, written by rank 0 (temp name,
     then rename); every rank calls it (the gather is a collective)."""
