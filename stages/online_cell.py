@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -66,6 +67,9 @@ log = logging.getLogger("ggpo")
 STATE = "online_cell"       # the state folder's name: <cache root>/online_cell-<key16>/
 META = "cell.json"          # written last in a checkpoint folder: it is complete
 KEEP = 2                    # rolling checkpoints kept
+# the slowest sampler a torchrun cell's waiting ranks are sized for (generated tokens / s):
+# a tenth of vLLM's ~20 k at Qwen3-1.7B on one H200 (wait_seconds)
+WAIT_TOKENS_PER_S = 2_000
 
 
 @dataclass
@@ -80,6 +84,7 @@ class Cell:
     tokenizer: object
     engine: object = None
     writer: object = None          # the checkpoint write in flight (one process)
+    waits: object = None           # under torchrun: the CPU group the ranks wait on (wait_group)
     counts: dict = field(default_factory=lambda: {"engine_starts": 0, "rounds_sampled": 0, "rounds_replayed": 0,
                                                   "rounds_skipped": 0, "checkpoints_written": 0})
 
@@ -157,7 +162,7 @@ def save_cell_checkpoint(cell: Cell, r: int, st: TrainState) -> None:
                         metrics=[], lp_old=None, block_s=st.block_s)
         if cell.main:
             commit_checkpoint(cell, final, None, meta)
-        barrier()
+        barrier(cell)
     cell.counts["checkpoints_written"] += 1
     cell.counts["checkpoint_seconds"] = round(cell.counts.get("checkpoint_seconds", 0.0) + time.perf_counter() - t0, 4)
 
@@ -206,10 +211,32 @@ def round_manifest(cell: Cell, stage: str, r: int) -> Manifest | None:
     return found.model_copy(update={"cache_hit": True}) if found is not None else None
 
 
-def barrier() -> None:
-    d = distributed.current()
-    if d is not None:
-        d.barrier()
+def wait_seconds(cfg: PipelineConfig) -> float:
+    """How long a torchrun cell's ranks wait while rank 0 works alone before they give up: a
+    round's sampling at its worst (online.max_draws draws of m samples of the full response
+    budget per prompt) at WAIT_TOKENS_PER_S, plus 30 minutes for the engine's start,
+    grading and a checkpoint. At the paper's scale one draw alone is 256 x 8 x 3,072 tokens
+    (5 minutes at vLLM's pace, and a round may take several): NCCL's default 10 minutes
+    would end the cell mid-round."""
+    oc, rc = cfg.online, cfg.rollout
+    tokens = oc.max_draws * oc.per_draw(cfg.train) * rc.group_size * rc.max_new_tokens
+    return 1800.0 + tokens / WAIT_TOKENS_PER_S
+
+
+def wait_group(cfg: PipelineConfig):
+    """A gloo group over every rank, timeout wait_seconds: the ranks wait on the CPU while
+    rank 0 samples, grades and records, instead of at an NCCL barrier (a collective held
+    open on the GPU for the whole round, which NCCL's watchdog ends at the process group's
+    timeout). A collective: every rank creates it, at the cell's start."""
+    import torch.distributed as dist
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_seconds(cfg)))
+
+
+def barrier(cell: Cell) -> None:
+    """Every rank here before any goes on (under torchrun; on the cell's CPU group)."""
+    if distributed.current() is not None:
+        import torch.distributed as dist
+        dist.barrier(group=cell.waits)
 
 
 def learner_weights(st: TrainState) -> list[tuple[str, object]]:
@@ -226,7 +253,7 @@ def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy
     engine synced to the learner (Algorithm 1 line 3). Under torchrun rank 0 samples and
     commits it, the others read it."""
     pool = round_manifest(cell, "online_pool", r)
-    barrier()       # every rank has looked before rank 0 may write it
+    barrier(cell)       # every rank has looked before rank 0 may write it
     if pool is not None:
         cell.counts["rounds_replayed"] += 1
         return pool
@@ -234,7 +261,7 @@ def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy
     if cell.main:
         pool = sync_and_sample(cell, weights, cfg_r, policy)
     del weights
-    barrier()
+    barrier(cell)       # the others wait here while rank 0 samples the whole round
     return pool or round_manifest(cell, "online_pool", r)
 
 
@@ -275,7 +302,7 @@ def keep_policies(cell: Cell, r: int, trained: Manifest) -> None:
         if cell.main and pending(cell, at).exists():
             spec = replace(online_policy.SPEC, build=partial(online_policy.adopt, saved=pending(cell, at)))
             run_stage(spec, cell.cfg.updated({"eval.update": at}), {"round": trained}, cell.store)
-    barrier()
+    barrier(cell)
 
 
 def record_round(cell: Cell, cfg_r: PipelineConfig, inputs: dict[str, Manifest], rows: list[dict]) -> Manifest:
@@ -288,7 +315,7 @@ def record_round(cell: Cell, cfg_r: PipelineConfig, inputs: dict[str, Manifest],
         if trained.cache_hit and trained.summary["final_loss"] != rows[-1]["loss"]:
             log.warning("online round %d replayed to a final loss of %r, its record says %r (bit-exact only on "
                         "the CPU)", r, rows[-1]["loss"], trained.summary["final_loss"])
-    barrier()
+    barrier(cell)
     return trained if cell.main else round_manifest(cell, "online_train", r)
 
 
@@ -339,6 +366,8 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
     rounds = tc.updates // tc.updates_per_step
     cell = Cell(cfg, store, base, [dag.online_keys(cfg, r) for r in range(rounds)], state_folder(store, cfg),
                 make_runtime(tc), load_tokenizer(model_path(base)))
+    if distributed.current() is not None:
+        cell.waits = wait_group(cfg)
     t0 = time.perf_counter()
     st, first, prev = start(cell)
     every = cfg.online.checkpoint_rounds(tc)
