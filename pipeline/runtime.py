@@ -133,6 +133,11 @@ def free_device_fraction() -> float:
     return free / total
 
 
+def device_total_bytes() -> int:
+    """The current GPU's memory in bytes (0 without CUDA)."""
+    return torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0
+
+
 def resolve_device(name: str, setting: str = "train.device") -> torch.device:
     """'auto' | 'cpu' | 'cuda' -> a device; 'cuda' without CUDA is a clear ConfigError."""
     if name == "auto":

@@ -26,7 +26,11 @@ to the same weights on CPU. A longer run (more train.updates) continues the same
 round keys do not depend on train.updates, so finished rounds are cache hits and the
 final checkpoint of the shorter run is where it starts. Memory: the trainer's cached
 blocks go back to the device before the sampler runs, and a vLLM sampler sleeps between
-rounds (runtime.release_device_memory, engine.sleep).
+rounds (runtime.release_device_memory, engine.sleep). A vLLM sampler's share of the GPU is
+planned at the cell's start from the learner's full footprint (weights, gradients, AdamW
+moments, reference, activations at the token budget: pipeline/gpu_memory.py), not
+measured then: vLLM keeps the size it starts with, and AdamW's moments, the gradients and
+the activations only arrive with the first update.
 
 On disk per cell: the rounds' pools and metrics, the evaluation policies, and
 `<cache>/online_cell-<key16>/checkpoints/round-NNNNNN/` (latest.pt or DCP shards, and
@@ -55,7 +59,9 @@ from pipeline.config import PipelineConfig
 from pipeline.engines import make_engine
 from pipeline.errors import TrainingError
 from pipeline.hf import load_tokenizer
-from pipeline.runtime import Runtime, make_runtime, release_device_memory
+from pipeline.errors import ConfigError
+from pipeline.gpu_memory import ModelShape, learner_setup, plan_sampler_memory
+from pipeline.runtime import Runtime, device_total_bytes, make_runtime, release_device_memory
 from pipeline.stage import run_stage
 from pipeline.store import Manifest, Store, model_path, write_text_atomic
 from stages import online_policy, online_pool, online_train
@@ -85,6 +91,7 @@ class Cell:
     engine: object = None
     writer: object = None          # the checkpoint write in flight (one process)
     waits: object = None           # under torchrun: the CPU group the ranks wait on (wait_group)
+    sampler_share: float | None = None     # a vLLM sampler's gpu_memory_utilization (sampler_share)
     counts: dict = field(default_factory=lambda: {"engine_starts": 0, "rounds_sampled": 0, "rounds_replayed": 0,
                                                   "rounds_skipped": 0, "checkpoints_written": 0})
 
@@ -265,11 +272,29 @@ def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy
     return pool or round_manifest(cell, "online_pool", r)
 
 
+def sampler_share(cfg: PipelineConfig, model, rt: Runtime) -> float | None:
+    """The share of this GPU a vLLM sampler may take beside the learner `model` for the
+    whole cell (pipeline/gpu_memory.py; None: no vLLM on a GPU here), logged."""
+    if cfg.rollout.engine != "vllm" or rt.device.type != "cuda":
+        return None
+    d = distributed.current()
+    try:
+        plan = plan_sampler_memory(ModelShape.of(model), learner_setup(cfg, rt, 1 if d is None else d.world),
+                                   device_total_bytes())
+    except ValueError as exc:
+        raise ConfigError(f"online cell: {exc}; lower train.micro_batch_tokens, set train.gradient_checkpointing=true "
+                          "or train.reference_device=cpu, or train over more GPUs (train.nproc)") from None
+    log.info("online cell: vLLM sampler memory planned beside the learner: %s", plan.describe())
+    return plan.gpu_memory_utilization
+
+
 def sync_and_sample(cell: Cell, weights: list, cfg_r: PipelineConfig, policy: Manifest) -> Manifest:
-    """The engine (built once per cell, on its first round that samples) synced to `weights`,
-    then the round's pool."""
+    """The engine (built once per cell, on its first round that samples, with its planned
+    share of the GPU) synced to `weights`, then the round's pool."""
     if cell.engine is None:
         rc = cfg_r.rollout
+        if cell.sampler_share is not None:
+            rc = rc.model_copy(update={"gpu_memory_utilization": min(rc.gpu_memory_utilization, cell.sampler_share)})
         release_device_memory()
         cell.engine = make_engine(rc.engine, model_path(cell.base), rc.batch_prompts, cfg_r.model.threads,
                                   rollout_cfg=rc, device=cfg_r.train.device, seed=cfg_r.seed, resident=True)
@@ -370,6 +395,7 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
         cell.waits = wait_group(cfg)
     t0 = time.perf_counter()
     st, first, prev = start(cell)
+    cell.sampler_share = sampler_share(cfg, st.model, cell.rt)
     every = cfg.online.checkpoint_rounds(tc)
     for r in range(first if on_round is not None and cell.main else 0):     # finished before: shown as cached
         on_round(r, round_manifest(cell, "online_pool", r), round_manifest(cell, "online_train", r))
