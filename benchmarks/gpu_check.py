@@ -1,18 +1,20 @@
 """One-shot GPU check at Qwen3-1.7B scale, with nothing from the internet (run on demand).
 
-    .venv/bin/python benchmarks/gpu_check.py [--out figures.json]    # one H200: about 3-5 min
+    .venv/bin/python benchmarks/gpu_check.py [--out figures.json]    # one H200: about 5-8 min
     .venv/bin/python benchmarks/gpu_check.py --quick                 # CPU smoke run, about 1 min
 
 Builds a randomly initialised model with Qwen3-1.7B's architecture (28 layers, hidden 2048,
 16 heads / 8 KV heads of 128, MLP 6144, vocab 151,936, tied embeddings) and a small BPE
 tokenizer trained here on generated text, saves both as an HF folder in a temp directory,
-then reports, each section on its own so one failure does not hide the others:
+then reports, each section on its own so one failure does not hide the others (nor the
+figures a section had before it failed):
 
   (a) train: one optimizer update at the preset geometry (32 groups x 8 responses, method
       GGPO, bf16 autocast, gradient checkpointing, the preset's micro-batch token budget)
       with 1,024- and 3,072-token responses of random token ids after short prompts, in
       both layouts, padded rows and packed rows (train.packing=on: flash-attn's varlen
-      kernels when installed, else flex attention): seconds, response tokens/s, peak GPU
+      kernels when installed, else flex attention), each timed after an untimed update on
+      the same pool (flex attention compiles for each new shape): seconds, response tokens/s, peak GPU
       memory and MFU = model FLOPs / seconds / 989e12 (H200 dense bf16 peak), with
       model FLOPs = 6 N T + 6 L H d sum_i l_i^2 over the real tokens only: N parameters,
       T prompt + response tokens, and per sequence i of l_i tokens the causal attention's
@@ -170,14 +172,18 @@ def one_update(model, reference, opt, pool, cfg, rt, n_params: int, g: dict) -> 
     return out
 
 
-def train_section(model, g: dict, args) -> dict:
-    """(a): one update per layout and response length, after an untimed warm-up update of
-    each layout (kernels, allocator, optimizer state, flex attention's compile)."""
+def train_section(model, g: dict, args, out: dict | None = None) -> dict:
+    """(a): one timed update per layout and response length, each after an untimed update
+    on the same pool (the same shapes: kernels, allocator, optimizer state, and flex
+    attention's compile for these shapes are outside the timing). Figures go into `out` as
+    they come, so a failure later keeps them; an update that fails is recorded with its
+    error and the next still runs."""
     import copy
 
     from pipeline.config import load_config
     from pipeline.runtime import make_runtime
-    result = {"micro_batch_tokens": args.micro_batch_tokens, "updates": []}
+    result = out if out is not None else {}
+    result |= {"micro_batch_tokens": args.micro_batch_tokens, "updates": []}
     for packing in ("off", "on"):
         cfg = load_config("tiny", {
             "train.method": "ggpo", "train.groups_per_update": g["groups"], "rollout.group_size": g["group_size"],
@@ -201,12 +207,17 @@ def train_section(model, g: dict, args) -> dict:
             print(json.dumps(result["updates"][-1]))
             continue
         for length in g["lengths"]:
+            r = {"layout": layout, "response_length": length}
+            pool = make_pool(g, length, seed=length)
             try:
-                r = {"layout": layout, "response_length": length} | one_update(
-                    policy, reference, opt, make_pool(g, length, seed=length), cfg, rt, n_params, g)
-            except torch.OutOfMemoryError as exc:
-                r = {"layout": layout, "response_length": length, "error": f"out of memory: {str(exc)[:300]}"}
-                torch.cuda.empty_cache()
+                one_update(policy, reference, opt, pool, cfg, rt, n_params, g)        # warm-up at this shape
+                r |= one_update(policy, reference, opt, pool, cfg, rt, n_params, g)
+            except Exception as exc:     # out of memory, a kernel that cannot run: said, the others still run
+                oom = isinstance(exc, torch.OutOfMemoryError)
+                r["error"] = f"out of memory: {str(exc)[:300]}" if oom else f"{type(exc).__name__}: {exc}"[:500]
+                opt.zero_grad(set_to_none=True)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             print(json.dumps(r))
             result["updates"].append(r)
         del policy, reference, opt
@@ -281,15 +292,17 @@ def model_section(g: dict, device: torch.device, folder: Path, built: dict) -> d
     return {"seconds": round(time.perf_counter() - t0, 1), "tokenizer_vocab": len(tok)}
 
 
-def guarded(name: str, results: dict, fn, *a) -> None:
-    """Runs one section; a failure is printed and recorded, and the next section still runs."""
+def guarded(name: str, results: dict, fn, *a, **kw) -> None:
+    """Runs one section; a failure is printed and recorded beside the figures the section had
+    already put into kw["out"] (if it takes one), and the next section still runs."""
     section(name)
     t0 = time.perf_counter()
+    results[name] = kw.get("out", {})
     try:
-        results[name] = fn(*a)
+        results[name] = fn(*a, **kw)
     except Exception as exc:
         traceback.print_exc()
-        results[name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        results[name]["error"] = f"{type(exc).__name__}: {exc}"[:2000]
     print(f"({name}: {time.perf_counter() - t0:.1f} s)")
     gc.collect()
     if torch.cuda.is_available():
@@ -317,7 +330,8 @@ def main() -> None:
         model = built.pop("model", None)
         missing = {"error": "skipped: no model (see the section model)"}
         if "train" not in args.skip:
-            guarded("train", results, train_section, model, g, args) if model is not None else results.update(train=missing)
+            guarded("train", results, train_section, model, g, args, out={}) if model is not None \
+                else results.update(train=missing)
         del model
         for name, fn, extra in (("transformers", transformers_section, (device, args.threads)), ("vllm", vllm_section, ())):
             if name not in args.skip:

@@ -137,9 +137,9 @@ class TrainConfig(Section):
     # chunked: hidden states -> LM head per chunk, never a [tokens, vocab] tensor (policy.py);
     # full: the plain logits path, kept as the reference implementation for parity checks
     logprob_impl: Literal["chunked", "full"] = "chunked"
-    # padding-free micro-batches (policy.make_batch): auto = on CUDA when flash-attn is installed
-    # (varlen kernels); on = always (flash-attn, else flex attention on CUDA; sdpa with a
-    # block-diagonal mask on the CPU: correct, for checks, not faster there); off = padded rows
+    # padding-free micro-batches (policy.make_batch): auto = on CUDA (flash-attn's varlen kernels
+    # when installed, else flex attention); on = also on the CPU (sdpa with a block-diagonal
+    # mask: correct, for checks, not faster there); off = padded rows
     packing: Literal["auto", "on", "off"] = "auto"
     reference_cache: bool = True     # reference log-probs once per group per reference window
     checkpoint_every: int = Field(10, ge=1)

@@ -18,6 +18,7 @@ and the server read and write the same places.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -80,6 +81,8 @@ def client():
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     for name, value in HTTP_SETTINGS.items():
         os.environ.setdefault(name, value)
+    # one line says the server went away (Resilient), not one per retried request
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     return Resilient(_FALLBACK[0] if _FALLBACK else tracking_uri())
 
 

@@ -26,7 +26,11 @@ to the same weights on CPU. A longer run (more train.updates) continues the same
 round keys do not depend on train.updates, so finished rounds are cache hits and the
 final checkpoint of the shorter run is where it starts. Memory: the trainer's cached
 blocks go back to the device before the sampler runs, and a vLLM sampler sleeps between
-rounds (runtime.release_device_memory, engine.sleep).
+rounds (runtime.release_device_memory, engine.sleep). A vLLM sampler's share of the GPU is
+planned at the cell's start from the learner's full footprint (weights, gradients, AdamW
+moments, reference, activations at the token budget: pipeline/gpu_memory.py), not
+measured then: vLLM keeps the size it starts with, and AdamW's moments, the gradients and
+the activations only arrive with the first update.
 
 On disk per cell: the rounds' pools and metrics, the evaluation policies, and
 `<cache>/online_cell-<key16>/checkpoints/round-NNNNNN/` (latest.pt or DCP shards, and
@@ -44,17 +48,20 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from pipeline import dag, interrupt
 from pipeline.config import PipelineConfig
 from pipeline.engines import Engine, make_engine
-from pipeline.errors import TrainingError
+from pipeline.errors import ConfigError, TrainingError
+from pipeline.gpu_memory import ModelShape, learner_setup, plan_sampler_memory
 from pipeline.hf import load_tokenizer
-from pipeline.runtime import Runtime, make_runtime, release_device_memory
+from pipeline.runtime import Runtime, device_total_bytes, make_runtime, release_device_memory
 from pipeline.stage import run_stage
 from pipeline.store import Manifest, Store, model_path, write_text_atomic
 from stages import online_policy, online_pool, online_train
@@ -66,6 +73,9 @@ log = logging.getLogger("ggpo")
 STATE = "online_cell"       # the state folder's name: <cache root>/online_cell-<key16>/
 META = "cell.json"          # written last in a checkpoint folder: it is complete
 KEEP = 2                    # rolling checkpoints kept
+# the slowest sampler a torchrun cell's waiting ranks are sized for (generated tokens / s):
+# a tenth of vLLM's ~20 k at Qwen3-1.7B on one H200 (wait_seconds)
+WAIT_TOKENS_PER_S = 2_000
 
 
 @dataclass
@@ -80,6 +90,8 @@ class Cell:
     tokenizer: object
     engine: Engine | None = None
     writer: Writer | None = None    # the checkpoint write in flight (one process)
+    waits: Any = None               # under torchrun: the CPU group the ranks wait on (wait_group)
+    sampler_share: float | None = None     # a vLLM sampler's gpu_memory_utilization (sampler_share)
     counts: dict = field(default_factory=lambda: {"engine_starts": 0, "rounds_sampled": 0, "rounds_replayed": 0,
                                                   "rounds_skipped": 0, "checkpoints_written": 0})
 
@@ -157,7 +169,7 @@ def save_cell_checkpoint(cell: Cell, r: int, st: TrainState) -> None:
                         metrics=[], lp_old=None, block_s=st.block_s)
         if cell.main:
             commit_checkpoint(cell, final, None, meta)
-        barrier()
+        barrier(cell)
     cell.counts["checkpoints_written"] += 1
     cell.counts["checkpoint_seconds"] = round(cell.counts.get("checkpoint_seconds", 0.0) + time.perf_counter() - t0, 4)
 
@@ -215,20 +227,41 @@ def committed(cell: Cell, stage: str, r: int) -> Manifest:
     return found
 
 
-def barrier() -> None:
-    d = distributed.current()
-    if d is not None:
-        d.barrier()
+def wait_seconds(cfg: PipelineConfig) -> float:
+    """How long a torchrun cell's ranks wait while rank 0 works alone before they give up: a
+    round's sampling at its worst (online.max_draws draws of m samples of the full response
+    budget per prompt) at WAIT_TOKENS_PER_S, plus 30 minutes for the engine's start,
+    grading and a checkpoint. At the paper's scale one draw alone is 256 x 8 x 3,072 tokens
+    (5 minutes at vLLM's pace, and a round may take several): NCCL's default 10 minutes
+    would end the cell mid-round."""
+    oc, rc = cfg.online, cfg.rollout
+    tokens = oc.max_draws * oc.per_draw(cfg.train) * rc.group_size * rc.max_new_tokens
+    return 1800.0 + tokens / WAIT_TOKENS_PER_S
 
 
-def learner_weights(st: TrainState) -> list[tuple[str, object]]:
-    """The learner's parameters under their HF names, full tensors (a collective under
-    torchrun: every rank gathers, rank 0 sends)."""
+def wait_group(cfg: PipelineConfig):
+    """A gloo group over every rank, timeout wait_seconds: the ranks wait on the CPU while
+    rank 0 samples, grades and records, instead of at an NCCL barrier (a collective held
+    open on the GPU for the whole round, which NCCL's watchdog ends at the process group's
+    timeout). A collective: every rank creates it, at the cell's start."""
+    import torch.distributed as dist
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_seconds(cfg)))
+
+
+def barrier(cell: Cell) -> None:
+    """Every rank here before any goes on (under torchrun; on the cell's CPU group)."""
+    if distributed.current() is not None:
+        import torch.distributed as dist
+        dist.barrier(group=cell.waits)
+
+
+def learner_weights(st: TrainState) -> list[tuple[str, torch.Tensor]]:
+    """The learner's parameters under their HF names (tied weights once), full tensors. Under
+    torchrun a collective, one parameter at a time: only rank 0, which syncs the sampler,
+    keeps them; the other ranks get [] (distributed.full_parameters_on_main)."""
     if not distributed.is_sharded(st.model):
         return list(st.model.named_parameters())
-    names = [n for n, _ in st.model.named_parameters()]      # tied weights once, as the checkpoint has them
-    full = distributed.policy_state(st.model)
-    return [(n, full[n]) for n in names]
+    return distributed.full_parameters_on_main(st.model)
 
 
 def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy: Manifest) -> Manifest:
@@ -236,7 +269,7 @@ def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy
     engine synced to the learner (Algorithm 1 line 3). Under torchrun rank 0 samples and
     commits it, the others read it."""
     pool = round_manifest(cell, "online_pool", r)
-    barrier()       # every rank has looked before rank 0 may write it
+    barrier(cell)       # every rank has looked before rank 0 may write it
     if pool is not None:
         cell.counts["rounds_replayed"] += 1
         return pool
@@ -244,15 +277,33 @@ def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy
     if cell.main:
         pool = sync_and_sample(cell, weights, cfg_r, policy)
     del weights
-    barrier()
+    barrier(cell)       # the others wait here while rank 0 samples the whole round
     return pool or committed(cell, "online_pool", r)
 
 
+def sampler_share(cfg: PipelineConfig, model, rt: Runtime) -> float | None:
+    """The share of this GPU a vLLM sampler may take beside the learner `model` for the
+    whole cell (pipeline/gpu_memory.py; None: no vLLM on a GPU here), logged."""
+    if cfg.rollout.engine != "vllm" or rt.device.type != "cuda":
+        return None
+    d = distributed.current()
+    try:
+        plan = plan_sampler_memory(ModelShape.of(model), learner_setup(cfg, rt, 1 if d is None else d.world),
+                                   device_total_bytes())
+    except ValueError as exc:
+        raise ConfigError(f"online cell: {exc}; lower train.micro_batch_tokens, set train.gradient_checkpointing=true "
+                          "or train.reference_device=cpu, or train over more GPUs (train.nproc)") from None
+    log.info("online cell: vLLM sampler memory planned beside the learner: %s", plan.describe())
+    return plan.gpu_memory_utilization
+
+
 def sync_and_sample(cell: Cell, weights: list, cfg_r: PipelineConfig, policy: Manifest) -> Manifest:
-    """The engine (built once per cell, on its first round that samples) synced to `weights`,
-    then the round's pool."""
+    """The engine (built once per cell, on its first round that samples, with its planned
+    share of the GPU) synced to `weights`, then the round's pool."""
     if cell.engine is None:
         rc = cfg_r.rollout
+        if cell.sampler_share is not None:
+            rc = rc.model_copy(update={"gpu_memory_utilization": min(rc.gpu_memory_utilization, cell.sampler_share)})
         release_device_memory()
         cell.engine = make_engine(rc.engine, model_path(cell.base), rc.batch_prompts, cfg_r.model.threads,
                                   rollout_cfg=rc, device=cfg_r.train.device, seed=cfg_r.seed, resident=True)
@@ -285,7 +336,7 @@ def keep_policies(cell: Cell, r: int, trained: Manifest) -> None:
         if cell.main and pending(cell, at).exists():
             spec = replace(online_policy.SPEC, build=partial(online_policy.adopt, saved=pending(cell, at)))
             run_stage(spec, cell.cfg.updated({"eval.update": at}), {"round": trained}, cell.store)
-    barrier()
+    barrier(cell)
 
 
 def record_round(cell: Cell, cfg_r: PipelineConfig, inputs: dict[str, Manifest], rows: list[dict]) -> Manifest:
@@ -298,7 +349,7 @@ def record_round(cell: Cell, cfg_r: PipelineConfig, inputs: dict[str, Manifest],
         if trained.cache_hit and trained.summary["final_loss"] != rows[-1]["loss"]:
             log.warning("online round %d replayed to a final loss of %r, its record says %r (bit-exact only on "
                         "the CPU)", r, rows[-1]["loss"], trained.summary["final_loss"])
-    barrier()
+    barrier(cell)
     return trained if cell.main else committed(cell, "online_train", r)
 
 
@@ -349,8 +400,11 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
     rounds = tc.updates // tc.updates_per_step
     cell = Cell(cfg, store, base, [dag.online_keys(cfg, r) for r in range(rounds)], state_folder(store, cfg),
                 make_runtime(tc), load_tokenizer(model_path(base)))
+    if distributed.current() is not None:
+        cell.waits = wait_group(cfg)
     t0 = time.perf_counter()
     st, first, prev = start(cell)
+    cell.sampler_share = sampler_share(cfg, st.model, cell.rt)
     every = cfg.online.checkpoint_rounds(tc)
     for r in range(first if on_round is not None and cell.main else 0):     # finished before: shown as cached
         on_round(r, round_manifest(cell, "online_pool", r), round_manifest(cell, "online_train", r))

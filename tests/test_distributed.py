@@ -12,6 +12,7 @@ import shutil
 
 import polars as pl
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from pipeline import dag
@@ -94,3 +95,48 @@ def test_nproc_leaves_keys_alone():
     a, b = load_config("smoke"), load_config("smoke", ["train.nproc=4", "train.nnodes=2",
                                                        "train.rdzv_endpoint=node0:29500"])
     assert dag.expected_key("train", a) == dag.expected_key("train", b)
+
+
+RANK_SCRIPT = '''
+import json, sys, types
+import torch
+from safetensors.torch import save_file
+from pipeline.hf import load_model
+from stages.online_cell import learner_weights
+from stages.train import distributed
+d = distributed.init("cpu")
+model = distributed.shard_policy(load_model(sys.argv[1]), None)
+named = learner_weights(types.SimpleNamespace(model=model))
+if d.is_main:
+    save_file({n: t.contiguous() for n, t in named}, sys.argv[2] + "/rank0.safetensors")
+with open(f"{sys.argv[2]}/rank{d.rank}.json", "w") as f:
+    json.dump({"kept": len(named), "fsdp": distributed.is_sharded(model)}, f)
+torch.distributed.destroy_process_group()
+'''
+
+
+def test_only_rank_0_keeps_the_gathered_weights_of_a_sync(tmp_path, base_manifest):
+    """An online cell's sync under torchrun (2 gloo ranks, FSDP2): rank 0 gets every
+    parameter whole (the one-process model's, tied weights once); rank 1, which never
+    syncs, keeps nothing (it used to gather the full fp32 state too)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.hf import load_model
+    from stages.base import model_path
+
+    from conftest import REPO, free_port
+    (tmp_path / "rank.py").write_text(RANK_SCRIPT)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(tmp_path / "rank.py"), model_path(base_manifest),
+            str(tmp_path)]
+    res = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env=os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    whole = dict(load_model(model_path(base_manifest)).named_parameters())
+    assert ranks[0] == {"kept": len(whole), "fsdp": True} and ranks[1] == {"kept": 0, "fsdp": True}
+    got = load_file(tmp_path / "rank0.safetensors")
+    assert set(got) == set(whole) and all(torch.equal(got[n], p.detach()) for n, p in whole.items())

@@ -76,3 +76,20 @@ def test_top_p_keeps_sampling_inside_nucleus(base_manifest):
     greedy = engine.generate(PROMPTS, SamplingParams(1, 0.0, 1.0, 20, seed=1))
     # a nucleus this small holds only the argmax token: sampling equals greedy decoding
     assert all(c.token_ids == g[0].token_ids for group, g in zip(outs, greedy) for c in group)
+
+
+def test_generation_computes_logits_only_at_the_last_position(base_manifest):
+    """The prefill's LM head runs on one position per row, not on every prompt position
+    ([B, L, V] logits at Qwen3's vocabulary are gigabytes); every step after it too."""
+    engine = TransformersEngine(model_path(base_manifest), batch_prompts=4)
+    shapes = []
+    hook = engine.model.get_output_embeddings().register_forward_hook(
+        lambda module, args, out: shapes.append(tuple(out.shape)))
+    try:
+        outs = engine.generate(PROMPTS, SamplingParams(2, 1.0, 1.0, 6, seed=3))
+    finally:
+        hook.remove()
+    width = max(len(engine.tokenizer(p)["input_ids"]) for p in PROMPTS)
+    assert width > 1 and len(shapes) >= 2
+    assert all(s[:2] == (2 * len(PROMPTS), 1) for s in shapes), shapes
+    assert all(len(c.token_ids) == len(c.logprobs) > 0 for g in outs for c in g)

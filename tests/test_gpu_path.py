@@ -248,8 +248,8 @@ def test_paper_preset_rollout_runs_on_cpu_past_its_training_file(base_manifest):
 
 def test_a_bf16_reference_keeps_fp32_rotary_frequencies_at_long_positions():
     """The bf16 reference casts parameters only: its rotary inv_freq stays fp32, and its
-    log-probs up to position 4,096 equal those of a model whose parameters alone were cast
-    by hand. Module.to(bf16) (what the runtime did) moves them: the check can fail."""
+    log-probs up to position 4,096 equal the fp32 policy's under the same autocast. Module.to
+    (what the runtime once did) also casts the buffer, and that moves them: the check can fail."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from stages.train.policy import make_batch, token_logprobs
@@ -263,19 +263,58 @@ def test_a_bf16_reference_keeps_fp32_rotary_frequencies_at_long_positions():
     rt = make_runtime(load_config("smoke", ["train.dtype=bfloat16", "train.device=cpu"]).train)
     import copy
     reference = rt.prepare_reference(copy.deepcopy(model))
-    by_hand = copy.deepcopy(model)
-    for p in by_hand.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    whole = copy.deepcopy(model).to(torch.bfloat16)
+    cast_buffers = copy.deepcopy(reference)
+    for name, b in cast_buffers.named_buffers():
+        if "inv_freq" in name:
+            b.data = b.data.to(torch.bfloat16)
     assert all(b.dtype == torch.float32 for n, b in reference.named_buffers() if "inv_freq" in n)
     ids = torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(1)).tolist()
     batch = make_batch([ids[:8]], [ids[8:]], pad_id=0)
     with torch.no_grad(), rt.autocast():
-        lp = [token_logprobs(m, batch, 1.0)[0][0, 1024:] for m in (reference, by_hand, whole)]
+        lp = [token_logprobs(m, batch, 1.0)[0][0, 1024:] for m in (reference, model, cast_buffers)]
     assert torch.equal(lp[0], lp[1])
     moved = (lp[2] - lp[1]).abs().mean()
     print(f"\nmean |log-prob change| from casting inv_freq to bf16, positions 1,032-4,095: {moved:.4f}")
     assert moved > 1e-2                                 # the buffer cast moves long-range log-probs
+
+
+def test_the_reference_computes_what_the_policy_computes_at_update_0_and_after_a_refresh(base_manifest, pool):
+    """Under bf16 autocast (here the CPU's) the reference is built (loop.new_state) and
+    refreshed (one_update at t_ref) so that its token log-probs equal the fp32 policy's bit
+    for bit: the log ratio to the reference is exactly 0 at update 0 and right after each
+    refresh, and non-zero between. A reference whose every parameter is bf16 runs its
+    residual stream in bf16 and is off by ~1e-2 nat a token (summed over a response, up to
+    nats: enough to reorder GGPO's weights among successes)."""
+    from pipeline.runtime import cast_parameters
+    from stages.base import model_path
+    from stages.train.pool import batch
+    cfg = load_config("smoke", ["train.dtype=bfloat16", "train.device=cpu", "train.t_ref=2",
+                                "train.method=ggpo", "train.lr=1e-3"])
+    rt = make_runtime(cfg.train)
+    assert rt.autocast_dtype == torch.bfloat16 and rt.param_dtype == torch.float32
+    pl_pool = loop.load_pool(pool[2].path("train_pool"), cfg.rollout.group_size, cfg.train.needs_behavior_logprobs())
+    groups = list(range(min(4, len(pl_pool.group_ids))))
+    st = loop.new_state(cfg, model_path(base_manifest), model_path(base_manifest), rt)
+    b = batch(pl_pool, groups, 0, rt.packed)
+
+    def ell(reference) -> torch.Tensor:          # per response: sum_t lp - lp_ref
+        with torch.no_grad():
+            lp, _ = loop.policy_logprobs(st.model, b, rt, cfg.rollout.temperature)
+            ref, _ = loop.policy_logprobs(reference, b, rt, cfg.rollout.temperature, device=rt.reference_device)
+        return ((lp - ref) * b.mask).sum(-1)
+
+    assert torch.equal(ell(st.reference), torch.zeros(b.mask.shape[0]))
+    assert all(p.dtype == torch.float32 for p in st.model.parameters())
+    assert {p.dtype for p in st.reference.parameters()} == {torch.float32, torch.bfloat16}   # Linear weights bf16
+    import copy
+    all_bf16 = cast_parameters(copy.deepcopy(st.reference), torch.bfloat16)     # the reference as it was
+    print(f"\nall-bf16 reference at update 0: |ell| up to {ell(all_bf16).abs().max():.4f} nat")
+    assert ell(all_bf16).abs().max() > 0
+    for u in range(2):
+        loop.one_update(st, pl_pool, groups, cfg, 0, rt, None)
+        if u == 0:
+            assert ell(st.reference).abs().max() > 0           # the policy moved, the reference did not
+    assert torch.equal(ell(st.reference), torch.zeros(b.mask.shape[0]))     # refreshed after update 2
 
 
 @pytest.mark.parametrize("temperature", [2.5, 3.0])
@@ -407,3 +446,66 @@ def test_an_update_reads_the_device_once(base_manifest, pool, monkeypatch):
     monkeypatch.undo()
     assert calls == ["tolist"], calls
     assert math.isfinite(row["loss"]) and len(row["seq_log_ratio"]) == 64
+
+
+def test_auto_packs_on_cuda_with_flex_attention_when_flash_attn_is_absent(monkeypatch):
+    """train.packing=auto on a GPU without flash-attn (the pinned stack installs none) packs
+    with flex attention instead of silently padding; flash-attn's varlen kernels when present."""
+    import importlib.util
+
+    from pipeline import runtime
+    real = importlib.util.find_spec
+    cuda = torch.device("cuda")
+    for flash, expected in ((False, (True, "flex_attention")), (True, (True, "flash_attention_2"))):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, flash=flash: (object() if flash else None) if name == "flash_attn"
+                            else real(name, *a))
+        assert runtime.packing_plan("auto", cuda) == expected
+        assert runtime.packing_plan("on", cuda) == expected
+        assert runtime.packing_plan("off", cuda) == (False, None)
+    assert runtime.packing_plan("auto", torch.device("cpu")) == (False, None)
+    assert runtime.packing_plan("on", torch.device("cpu")) == (True, "sdpa")
+
+
+def test_packed_rows_reach_a_varlen_attention_with_their_boundaries_once():
+    """A flash-style varlen attention (registered here: it isolates rows by cu_seq_lens
+    alone, as flash_attn_varlen_func does, and gets no mask) receives in every layer the
+    boundaries make_batch built on the host, as flash attention's kwargs; with them the
+    packed log-probs equal the padded ones within rounding. Without them transformers'
+    flash path would rebuild the boundaries from position_ids in each layer (a
+    device-to-host read per layer)."""
+    from transformers import AttentionInterface
+
+    from stages.train.policy import make_batch, token_logprobs
+
+    from tolerance import assert_close
+    seen = []
+
+    def varlen(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        cu, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+        seen.append((cu, longest, attention_mask))
+        assert cu is not None and torch.equal(cu, kwargs["cu_seq_lens_k"]) and isinstance(longest, int)
+        rep = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+        bounds = cu.tolist()
+        out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True, scale=scaling)
+            for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
+        return out.transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("ggpo_test_varlen", varlen)
+    model = _lm(True, torch.float64)
+    g = torch.Generator().manual_seed(5)
+    ids = lambda n: torch.randint(3, 300, (n,), generator=g).tolist()    # noqa: E731
+    prompts, responses = [ids(4), ids(7), ids(2)], [ids(30), ids(5), ids(12)]
+    padded = make_batch(prompts, responses, 0)
+    with torch.no_grad():
+        lp_pad, _ = token_logprobs(model, padded, 0.7)
+        z = model(input_ids=padded.input_ids).logits.abs().max().item() / 0.7
+        model.set_attn_implementation("ggpo_test_varlen")
+        packed = make_batch(prompts, responses, 0, packed=True)
+        lp_pack, _ = token_logprobs(model, packed, 0.7)
+    assert packed.cu_seq_lens.tolist() == [0, 34, 46, 60] and packed.max_length == 34
+    assert len(seen) == model.config.num_hidden_layers
+    assert all(torch.equal(cu, packed.cu_seq_lens) and n == 34 and mask is None for cu, n, mask in seen)
+    assert_close(lp_pack, lp_pad, torch.float64, z, 32, "varlen packed vs padded", computations=2)

@@ -338,3 +338,30 @@ def test_two_gloo_ranks_match_one_process(tmp_path, base_manifest):
         a, b = weights(policy(cfg1, one, at)), weights(policy(cfg1, two, at))
         worst = max((a[k] - b[k]).abs().max().item() for k in a)
         assert set(a) == set(b) and worst <= 1e-5, (at, worst)
+
+
+def test_torchrun_ranks_wait_for_rank_0_on_a_cpu_group_sized_from_the_round(monkeypatch):
+    """While rank 0 samples a round, the other ranks wait at a gloo (CPU) barrier whose
+    timeout comes from the round's size, not at an NCCL barrier under the process group's
+    10-minute default: at the paper's scale (Qwen3-1.7B preset, N = 8) one draw alone is
+    256 prompts x 8 samples x 3,072 tokens, and a round may take up to 16 draws."""
+    import datetime
+    import types
+
+    import torch.distributed as dist
+
+    from stages import online_cell
+    from stages.train import distributed
+    paper = load_config("qwen3-1.7b")
+    draw = paper.online.per_draw(paper.train) * paper.rollout.group_size * paper.rollout.max_new_tokens
+    assert draw == 256 * 8 * 3072
+    seconds = online_cell.wait_seconds(paper)
+    assert seconds >= 1800 + paper.online.max_draws * draw / online_cell.WAIT_TOKENS_PER_S > 600
+    made, waited = [], []
+    monkeypatch.setattr(dist, "new_group", lambda **kw: made.append(kw) or "the cell's gloo group")
+    monkeypatch.setattr(dist, "barrier", lambda group=None, **kw: waited.append((group, kw)))
+    monkeypatch.setattr(distributed, "current", lambda: types.SimpleNamespace(is_main=False, rank=1))
+    cell = types.SimpleNamespace(waits=online_cell.wait_group(paper))
+    online_cell.barrier(cell)
+    assert made == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=seconds)}]
+    assert waited == [("the cell's gloo group", {})]

@@ -242,3 +242,26 @@ def test_sharded_engine_merges_in_prompt_order_and_stops_its_processes(tmp_path,
     assert engine.stop_ids == [engine.tokenizer.eos_token_id]
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate(prompts, params)
+
+
+def test_a_resident_sampler_is_one_engine_on_the_learners_gpu(tmp_path, monkeypatch):
+    """An online cell's sampler on an 8-GPU host with rollout.data_parallel=auto: one engine
+    in this process (it sleeps while the learner trains), not 8 shard engines in processes
+    that never sleep on the GPUs the learner trains on. Rollout and evaluation stages still
+    shard over every GPU."""
+    import torch
+
+    import pipeline.engines as engines
+    import pipeline.runtime as runtime
+    from pipeline.config import load_config
+    made = []
+    monkeypatch.setattr(engines, "check_vllm", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(runtime, "free_device_fraction", lambda: 0.95)
+    monkeypatch.setattr(ve, "VLLMEngine", lambda path, **kw: made.append(kw) or kw)
+    rc = load_config("smoke", ["rollout.data_parallel=auto"]).rollout
+    make_engine("vllm", str(tmp_path), rollout_cfg=rc, resident=True)
+    make_engine("vllm", str(tmp_path), rollout_cfg=rc.model_copy(update={"data_parallel": 4}), resident=True)
+    make_engine("vllm", str(tmp_path), rollout_cfg=rc)
+    assert [(kw["data_parallel"], kw["resident"]) for kw in made] == [(1, True), (1, True), (8, False)]

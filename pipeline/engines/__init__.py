@@ -32,7 +32,11 @@ def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto", r
     dtype: rollout.dtype; "auto" = bfloat16 (vLLM's usual serving precision). Its memory:
     rollout.gpu_memory_utilization, lowered to what is free after the trainer's cache is
     released (vLLM refuses to start when less than that share is free: a training stage
-    earlier in the process, or the resident learner of an online cell)."""
+    earlier in the process, or the resident learner of an online cell). A resident sampler
+    (an online cell's) is one engine in this process on the learner's GPU(s), whatever
+    rollout.data_parallel says (that setting is for rollout and evaluation stages): it must
+    sleep while the learner trains, and shard engines in their own processes never sleep
+    and would sit on the GPUs the learner trains on."""
     check_vllm()
     import torch
 
@@ -46,7 +50,7 @@ def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto", r
     tp = getattr(rollout_cfg, "tensor_parallel_size", 1)
     gpus = ve.visible_gpus(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
     try:
-        dp = ve.resolve_data_parallel(getattr(rollout_cfg, "data_parallel", 1), tp, len(gpus))
+        dp = 1 if resident else ve.resolve_data_parallel(getattr(rollout_cfg, "data_parallel", 1), tp, len(gpus))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if dp * tp > len(gpus):

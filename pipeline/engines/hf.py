@@ -34,6 +34,14 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _last_logits_kwargs(model) -> dict:
+    """Only the last position's logits: sampling reads nothing else, and the prefill would
+    otherwise build [B, L, V] logits for every prompt position (at Qwen3's V = 151,936 and
+    64 prompts of 500 tokens, 19 GB in bf16). transformers' causal LMs take
+    `logits_to_keep` (an int keeps that many last positions); a model without it gets none."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 def weights_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """rollout.dtype -> the engine's weight dtype. "auto": bf16 on a GPU (as vLLM's default),
     fp32 on CPU (so the CPU pool matches the fp32 trainer exactly). Log-probs are computed
@@ -105,11 +113,11 @@ class TransformersEngine:
         done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
         tokens, logps = [], []
         past, step_ids, step_pos = None, input_ids, pos
-        cache_kw = _cache_kwarg(model)
+        cache_kw, last_only = _cache_kwarg(model), _last_logits_kwargs(model)
         for _ in range(params.max_new_tokens):
             interrupt.check("generation")        # a safe point: nothing of this batch is kept
             res = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                        use_cache=True, **{cache_kw: past})
+                        use_cache=True, **{cache_kw: past}, **last_only)
             logits = res.logits[:, -1, :].float()
             if params.temperature == 0:   # greedy; log-probs reported at temperature 1
                 logp = torch.log_softmax(logits, dim=-1)

@@ -17,7 +17,8 @@ rank context. This module imports nothing of the loop or the checkpoints:
   sharded either way. Gradients are
   SUMMED over ranks, not averaged: each rank's loss is already divided by the update's
   global token count T_tot. The reference policy is frozen and replicated (every rank holds
-  it whole, bf16 on CUDA); a refresh copies the gathered full policy into it;
+  it whole, in the precision runtime.prepare_reference gives it); a refresh copies the
+  gathered full policy into it;
 - an update's groups are split into contiguous shards of whole groups (`shards`), every
   rank runs the same number of micro-batches (`lockstep`: FSDP's all-gathers are
   collectives, so a rank with fewer pads with a zero-weight micro-batch), and the metrics
@@ -179,6 +180,23 @@ def policy_state(model, rank0_only: bool = False) -> dict:
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
+
+
+def full_parameters_on_main(model) -> list[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter of an FSDP model, on rank 0's device, for a
+    sampler sync only rank 0 performs; [] on the other ranks. A collective: every rank
+    gathers one parameter at a time, in named_parameters' order (the same on every rank),
+    and drops it at once unless it is rank 0, so no other rank ever holds more than one
+    full parameter (a full state dict would put the whole fp32 model on every GPU)."""
+    d = current()
+    out = []
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+            if d is None or d.is_main:
+                out.append((name, full))
+            del full
+    return out
 
 
 def save_sharded_policy(model, tokenizer, tmp: Path, final: Path) -> None:

@@ -213,16 +213,17 @@ def _decoder(model):
 
 
 def hidden_for_targets(model, input_ids: Tensor, attention_mask: Tensor | None, rows: Tensor, cols: Tensor,
-                       position_ids: Tensor | None = None) -> Tensor:
+                       position_ids: Tensor | None = None, **attention_kwargs) -> Tensor:
     """hidden [N, H]: the final-norm hidden state at (rows[k], cols[k]) for every response
     token k, in the order of `rows` / `cols` (policy.make_batch builds them on the host, so
     selecting costs no device-to-host read). Padded rows pass `attention_mask`; packed rows
-    pass `position_ids` restarting per row and no mask. No cache: with one, transformers
+    pass `position_ids` restarting per row and no mask, and `attention_kwargs` (flash
+    attention's cu_seq_lens, Batch.attention_kwargs). No cache: with one, transformers
     would not isolate packed rows."""
     if rows.shape != cols.shape or rows.dim() != 1:
         raise ValueError(f"stages/train/lm_head.py hidden_for_targets: rows {tuple(rows.shape)} and cols "
                          f"{tuple(cols.shape)} must be the same [N]")
     out = _decoder(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False)
+                          use_cache=False, **attention_kwargs)
     states = out.last_hidden_state                                     # [B, L, H]
     return states[rows.to(states.device), cols.to(states.device)]

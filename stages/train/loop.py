@@ -45,7 +45,7 @@ BEHAVIOR_DIAGNOSTICS = ("k3_mismatch", "abs_log_ratio", "max_abs_log_ratio")
 def policy_logprobs(model, batch: Batch, rt: Runtime, temperature: float, with_entropy: bool = False,
                     device: torch.device | None = None):
     """token_logprobs on the model's device under the runtime's precision; results on rt.device."""
-    with rt.autocast():
+    with rt.autocast((device or rt.device).type):
         # an FSDP policy's registered forward method (distributed.shard_policy), else the function
         fn = getattr(model, "ggpo_token_logprobs", None) or (lambda *a: token_logprobs(model, *a))
         lp, entropy = fn(batch.to(device or rt.device), temperature, with_entropy, rt.logprob_impl, rt.chunk_tokens)

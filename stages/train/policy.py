@@ -6,9 +6,12 @@ A batch holds B rows `prompt + response` in one of two layouts (`make_batch`):
 - packed: all rows concatenated into one sequence [1, sum of lengths], no padding at all,
   `position_ids` restarting at 0 for every row and no attention mask, so the attention
   kernel isolates rows (transformers builds a block-diagonal causal mask for sdpa / eager /
-  flex attention, and varlen cu_seqlens for flash attention; `use_cache=False` is
-  essential: with a cache the rows would silently attend to each other). A micro-batch
-  then costs its real tokens, not rows x its longest row.
+  flex attention once per forward; `use_cache=False` is essential: with a cache the rows
+  would silently attend to each other). Flash attention's varlen kernels get the rows'
+  boundaries as `cu_seq_lens` and their longest length, built here on the host with the
+  batch: without them transformers derives both from `position_ids` in every layer, a
+  device-to-host read each. A micro-batch then costs its real tokens, not rows x its
+  longest row.
 Either way response token t of row b is predicted at one position of the model's output:
 `sel_rows[k], sel_cols[k]` for the k-th response token in row-major (b, t) order, and
 `flat_index[k] = b * T + t` puts its log-prob back into the [B, T] result. These index
@@ -41,15 +44,26 @@ class Batch:
     targets_flat: torch.Tensor           # [N] long: response token ids
     flat_index: torch.Tensor             # [N] long: b * T + t
     mask: torch.Tensor                   # [B, T] float: 1 on response tokens (incl. EOS)
+    cu_seq_lens: torch.Tensor | None = None   # packed: [B + 1] int32 row starts, then the total
+    max_length: int | None = None             # packed: the longest row (a host int)
 
     @property
     def packed(self) -> bool:
         return self.position_ids is not None
 
+    def attention_kwargs(self) -> dict:
+        """What the model's forward gets besides ids, mask and positions: for packed rows the
+        varlen boundaries flash attention reads (transformers' FlashAttentionKwargs), which
+        every other attention implementation ignores."""
+        if not self.packed or self.cu_seq_lens is None:
+            return {}
+        return {"cu_seq_lens_q": self.cu_seq_lens, "cu_seq_lens_k": self.cu_seq_lens,
+                "max_length_q": self.max_length, "max_length_k": self.max_length}
+
     def to(self, device: torch.device) -> "Batch":
         """On `device`; from pinned host memory without waiting for the GPU when on CUDA."""
         def move(t):
-            if t is None or t.device == device:
+            if not isinstance(t, torch.Tensor) or t.device == device:
                 return t
             if device.type == "cuda":
                 return t.pin_memory().to(device, non_blocking=True)
@@ -76,10 +90,15 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
         mask[b, :len(r)] = 1.0
         offset += len(p) + len(r)
     long = lambda xs: torch.tensor(xs, dtype=torch.long)   # noqa: E731
+    cu_seq_lens = max_length = None
     if packed:
         ids = long([x for row in rows for x in row])[None]
         positions = long([i for row in rows for i in range(len(row))])[None]
         attn = None
+        starts = [0]
+        for row in rows:
+            starts.append(starts[-1] + len(row))
+        cu_seq_lens, max_length = torch.tensor(starts, dtype=torch.int32), max(map(len, rows))
     else:
         width = max(map(len, rows))
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -88,7 +107,8 @@ def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
             ids[b, :len(row)] = long(row)
             attn[b, :len(row)] = 1
         positions = None
-    return Batch(ids, attn, positions, long(sel_rows), long(sel_cols), long(targets), long(flat), mask)
+    return Batch(ids, attn, positions, long(sel_rows), long(sel_cols), long(targets), long(flat), mask,
+                 cu_seq_lens, max_length)
 
 
 def scatter_rows(flat: torch.Tensor, batch: Batch) -> torch.Tensor:
@@ -104,7 +124,7 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     if impl == "full":
         return _full_logprobs(model, batch, temperature, with_entropy)
     hidden = hidden_for_targets(model, batch.input_ids, batch.attention_mask, batch.sel_rows, batch.sel_cols,
-                                batch.position_ids)
+                                batch.position_ids, **batch.attention_kwargs())
     weight, bias = lm_head_weight(model)
     lp_flat, ent_flat = chunked_logprobs(hidden, weight, batch.targets_flat, temperature, chunk_tokens,
                                          with_entropy, bias, check_ids=False)
@@ -115,7 +135,7 @@ def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: 
 
 def _full_logprobs(model, batch: Batch, temperature: float, with_entropy: bool):
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   position_ids=batch.position_ids, use_cache=False).logits
+                   position_ids=batch.position_ids, use_cache=False, **batch.attention_kwargs()).logits
     picked = logits[batch.sel_rows, batch.sel_cols]                                   # [N, V]
     logp = torch.log_softmax(picked.to(torch.promote_types(picked.dtype, torch.float32)) / temperature, dim=-1)
     lp = scatter_rows(logp.gather(1, batch.targets_flat[:, None]).squeeze(1), batch)
