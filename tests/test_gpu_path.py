@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import ConfigError, load_config
+from pipeline.errors import TrainingError
 from pipeline.preflight import preflight
 from pipeline.runtime import make_runtime
 from pipeline.store import Store
@@ -118,7 +119,7 @@ def test_pool_with_non_finite_behavior_logprobs(tmp_path, pool):
                                .otherwise(pl.col("behavior_logprobs")).alias("behavior_logprobs"))
     path = tmp_path / "pool.parquet"
     poisoned(float("nan")).write_parquet(path)
-    with pytest.raises(loop.TrainingError, match=r"pool\.parquet: row \(group \d+, sample 5\) has behavior log-prob nan "
+    with pytest.raises(TrainingError, match=r"pool\.parquet: row \(group \d+, sample 5\) has behavior log-prob nan "
                                                  r"at response token 1"):
         loop.load_pool(path, 8)
     poisoned(float("-inf")).write_parquet(path)

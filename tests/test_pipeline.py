@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from pipeline import schemas
 from pipeline.config import load_config
+from pipeline.errors import TrainingError
 from pipeline.store import MANIFEST, Store
 from stages import filter as filt, rollout, train, verify
 from stages.train import loop
@@ -103,7 +104,7 @@ def test_crash_resumes_from_last_checkpoint(tmp_path, base_manifest, pool, monke
 
 def test_train_rejects_mismatched_group_size(smoke_cfg, base_manifest, pool):
     cfg = load_config("smoke", ["rollout.group_size=4"])
-    with pytest.raises(loop.TrainingError, match="group_size=4 but the pool was built with group_size=8"):
+    with pytest.raises(TrainingError, match="group_size=4 but the pool was built with group_size=8"):
         train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=Store(os.environ["GGPO_CACHE"]))
 
 

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from pipeline import dag
 from pipeline.config import ConfigError, load_config
-from pipeline.errors import NonFiniteUpdate
+from pipeline.errors import NonFiniteUpdate, TrainingError
 from pipeline.store import MANIFEST, Store
 from stages import train
 from stages.train import checkpoint, loop
@@ -67,7 +67,7 @@ def test_pool_without_behavior_logprobs(tmp_path, pool):
                              .otherwise(pl.col("behavior_logprobs")).alias("behavior_logprobs"))
     path = tmp_path / "pool.parquet"
     broken.write_parquet(path)
-    with pytest.raises(loop.TrainingError, match=r"pool\.parquet: row \(group \d+, sample 3\) has no behavior_logprobs"):
+    with pytest.raises(TrainingError, match=r"pool\.parquet: row \(group \d+, sample 3\) has no behavior_logprobs"):
         loop.load_pool(path, 8, need_behavior=True)
     loaded = loop.load_pool(path, 8, need_behavior=False)        # AGRO / GGPO never read them
     assert len(loaded.lp_beh[0][3]) == len(loaded.responses[0][3])
