@@ -102,6 +102,34 @@ def assert_interrupted_cleanly(proc, err: str, state: dict | None, rerun) -> Non
 
 
 
+def write_qwen3_layout(source: Path, folder: Path) -> Path:
+    """A copy of the HF model folder `source` (a tied model) laid out like Qwen3-1.7B's
+    checkpoint: config.json ties the embeddings, yet `lm_head.weight` is stored (a copy of
+    the embedding), and the weights lie in two shards listed in model.safetensors.index.json."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    assert json.loads((source / "config.json").read_text())["tie_word_embeddings"] is True
+    folder.mkdir(parents=True)
+    for f in source.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copy(f, folder / f.name)
+    state = {}
+    for f in sorted(source.glob("*.safetensors")):
+        state |= load_file(f)
+    state.setdefault("lm_head.weight", state["model.embed_tokens.weight"].clone())
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for fname, keys in shards.items():
+        save_file({k: state[k].contiguous() for k in keys}, str(folder / fname), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+             "weight_map": {k: fname for fname, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return folder
+
+
 @pytest.fixture(autouse=True)
 def no_stop_request_left_behind():
     """A stop request is process-wide (pipeline/interrupt.py): a test that signals and then

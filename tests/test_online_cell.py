@@ -120,7 +120,7 @@ class RecordingLLM:
     def update_weights(self, request):
         info = request["update_info"]
         self.calls.append(("update_weights", len(info["names"])))
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters(remove_duplicate=False))     # the tied head by its name too
         assert len(info["names"]) == len(info["dtype_names"]) == len(info["shapes"]) == len(info["ipc_handles"])
         for name, dtype, shape, handle in zip(info["names"], info["dtype_names"], info["shapes"], info["ipc_handles"]):
             (tensor,) = handle.values()          # {gpu uuid: args}: the test's args are the tensor
@@ -160,6 +160,7 @@ def test_vllm_sync_sends_every_tensor_through_the_weight_transfer_api(base_manif
                                          "finish_weight_update", "reset_prefix_cache"]
     assert llm.calls[0][1] == {"init_info": {"packed": False}}
     expected = ve.checkpoint_shapes(model_path(base_manifest))
+    expected["lm_head.weight"] = expected["model.embed_tokens.weight"]      # the tied head is sent too
     assert {n: s for n, _, s in llm.received} == expected and {d for _, d, _ in llm.received} == {"float32"}
     got = dict(llm.model.named_parameters())
     assert all(torch.equal(got[n], p.detach().to(torch.bfloat16)) for n, p in learner.named_parameters())
@@ -175,7 +176,7 @@ def test_vllm_sync_sends_every_tensor_through_the_weight_transfer_api(base_manif
     llm.calls.clear()
     named = list(learner.named_parameters())
     with pytest.raises(WeightSyncError, match="vLLM sampler refused the learner's weights: 1 missing"):
-        engine.load_weights(named[1:])
+        engine.load_weights(named[:-1])
     assert llm.calls == []
 
 

@@ -9,6 +9,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from pipeline.config import ConfigError
 from pipeline.engines import Completion, SamplingParams, make_engine, vllm_engine as ve
@@ -265,3 +266,146 @@ def test_a_resident_sampler_is_one_engine_on_the_learners_gpu(tmp_path, monkeypa
     make_engine("vllm", str(tmp_path), rollout_cfg=rc.model_copy(update={"data_parallel": 4}), resident=True)
     make_engine("vllm", str(tmp_path), rollout_cfg=rc)
     assert [(kw["data_parallel"], kw["resident"]) for kw in made] == [(1, True), (1, True), (8, False)]
+
+
+# --------------------------------------------------------------------------- weight syncs (fakes)
+
+def _tiny_folder(folder) -> str:
+    """The built-in tiny model, untrained (tied embeddings; lm_head.weight not stored)."""
+    from pipeline.config import ModelConfig
+    from pipeline.tiny_model import build_model, build_tokenizer, save
+    tok = build_tokenizer()
+    save(build_model(ModelConfig(), len(tok)), tok, folder)
+    return str(folder)
+
+
+class SyncRecorder:
+    """vLLM's LLM as VLLMEngine.load_weights drives it in this process: what a sync sends,
+    by either route (the CUDA IPC session, whose handles the test makes the tensors
+    themselves; the worker's reload_weights from a folder, read here as the worker would)."""
+
+    def __init__(self):
+        self.calls, self.sent = [], {}
+
+    def init_weight_transfer_engine(self, request):
+        self.calls.append("init_weight_transfer_engine")
+
+    def start_weight_update(self):
+        self.calls.append("start_weight_update")
+
+    def update_weights(self, request):
+        info = request["update_info"]
+        self.calls.append("update_weights")
+        self.sent = {n: next(iter(h.values())) for n, h in zip(info["names"], info["ipc_handles"])}
+
+    def finish_weight_update(self):
+        self.calls.append("finish_weight_update")
+
+    def collective_rpc(self, method, kwargs=None):
+        from safetensors.torch import load_file
+        self.calls.append(method)
+        self.sent = load_file(os.path.join(kwargs["weights_path"], "model.safetensors"))
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+        return True
+
+
+def test_a_qwen3_layout_checkpoint_syncs_with_its_tied_head(tmp_path, monkeypatch):
+    """Finding 2.1: Qwen3-1.7B ties its head to the embedding yet stores `lm_head.weight`;
+    the learner's named_parameters() omit it. The sync sends what the checkpoint holds, the
+    head being the learner's embedding, then resets the prefix cache."""
+    from pathlib import Path
+
+    from pipeline.hf import load_model
+
+    from conftest import write_qwen3_layout
+    folder = write_qwen3_layout(Path(_tiny_folder(tmp_path / "tiny")), tmp_path / "qwen3-layout")
+    assert "lm_head.weight" in ve.checkpoint_shapes(str(folder))       # stored, as in Qwen3-1.7B
+    monkeypatch.setattr(ve, "build_llm", lambda path, kwargs: SyncRecorder())
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")      # restored after the test
+    engine = ve.VLLMEngine(str(folder), seed=1, resident=True)
+    engine.ipc_handle = lambda t: t
+    learner = load_model(str(folder))
+    with torch.no_grad():
+        learner.model.embed_tokens.weight.mul_(1.5)
+    named = list(learner.named_parameters())
+    assert "lm_head.weight" not in dict(named)
+    engine.load_weights(named)
+    llm = engine.llm
+    assert engine.llm.calls[-1] == "reset_prefix_cache"
+    assert {n: tuple(t.shape) for n, t in llm.sent.items()} == ve.checkpoint_shapes(str(folder))
+    assert torch.equal(llm.sent["lm_head.weight"], learner.model.embed_tokens.weight.detach())
+    assert all(torch.equal(llm.sent[n], p.detach()) for n, p in named)
+
+
+def test_a_tied_model_whose_checkpoint_omits_the_head_is_sent_the_head_too(tmp_path, monkeypatch):
+    """The built-in tiny model's checkpoint omits the tied head; vLLM's CPU reload keeps a
+    head it is not sent (log-probs off by up to 1.03 nats), so it is sent anyway."""
+    from pipeline.hf import load_model
+    folder = _tiny_folder(tmp_path / "tiny")
+    assert "lm_head.weight" not in ve.checkpoint_shapes(folder)
+    monkeypatch.setattr(ve, "build_llm", lambda path, kwargs: SyncRecorder())
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")      # restored after the test
+    engine = ve.VLLMEngine(folder, seed=1, resident=True)
+    engine.ipc_handle = lambda t: t
+    learner = load_model(folder)
+    engine.load_weights(list(learner.named_parameters()))
+    assert set(engine.llm.sent) == set(ve.checkpoint_shapes(folder)) | {"lm_head.weight"}
+    assert engine.llm.calls[-1] == "reset_prefix_cache"
+    # an untied model gets no head it does not have
+    emb = [("model.embed_tokens.weight", torch.zeros(2))]
+    assert ve.with_tied_head(emb, tied=False) == emb
+
+
+# The shard processes' stand-in (FAKE_VLLM) with a prefix cache: a prompt's state is kept
+# with the version of the weights it was computed with; reload_weights makes new weights,
+# reset_prefix_cache empties the cache. Each sample ends with the version its prompt state
+# came from, so a stale state shows in the tokens.
+FAKE_VLLM_PREFIX_CACHE = FAKE_VLLM + '''
+_Base = LLM
+
+
+class LLM(_Base):
+    def __init__(self, model, **kw):
+        super().__init__(model, **kw)
+        self.version, self.cache = 0, {}
+
+    def collective_rpc(self, method, kwargs=None):
+        assert method == "reload_weights"
+        assert os.path.exists(os.path.join(kwargs["weights_path"], "model.safetensors"))
+        self.version += 1
+
+    def reset_prefix_cache(self):
+        self.cache.clear()
+        return True
+
+    def generate(self, requests, sps, use_tqdm=True):
+        out = super().generate(requests, sps, use_tqdm)
+        for req, o in zip(requests, out):
+            state = self.cache.setdefault(tuple(req["prompt_token_ids"]), self.version)
+            for s in o.outputs:
+                s.token_ids = s.token_ids + [state]
+                s.logprobs = s.logprobs + [{state: NS(logprob=-1.5)}]
+        return out
+'''
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
+def test_shard_processes_reset_their_prefix_cache_after_a_sync(tmp_path, monkeypatch):
+    """Finding 2.4: a sync reloads the weights in every shard process; the prompt states
+    those cached before it came from the old weights and must not serve the next round."""
+    from pipeline.hf import load_model
+    folder = _tiny_folder(tmp_path / "tiny")
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM_PREFIX_CACHE)
+    monkeypatch.syspath_prepend(str(tmp_path))        # spawned children inherit sys.path
+    engine = ve.VLLMEngine(folder, data_parallel=2, gpu_ids=["3", "5"], seed=1, resident=True)
+    try:
+        prompts = ["a", "bb", "ccc", "dddd"]
+        params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=11)
+        assert {c.token_ids[-1] for g in engine.generate(prompts, params) for c in g} == {0}
+        engine.load_weights(list(load_model(folder).named_parameters()))
+        assert {c.token_ids[-1] for g in engine.generate(prompts, params) for c in g} == {1}
+    finally:
+        engine.close()

@@ -27,6 +27,12 @@ Choices, and why:
   is garbage collected and at interpreter exit.
 - A missing, NaN or infinite sampled-token log-prob raises, naming prompt and position:
   such a value would silently poison every importance ratio downstream.
+- A sync sends what the sampler's checkpoint holds, the tied LM head included: a model
+  that ties `lm_head.weight` to the embedding lists it once in the learner's
+  named_parameters(), but Qwen3 checkpoints (1.7B) store it and vLLM's CPU reload keeps
+  a head it is not sent (log-probs off by up to 1.03 nats after a sync, measured), so the
+  engine adds it (`with_tied_head`). After every reload the prefix cache is reset: its
+  prompt states were computed with the old weights.
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ from pipeline.errors import VLLMOutputError
 # module first and should reach vLLM's own import (and its CUDA setup) quickly.
 
 LOGPROBS_MODE = "processed_logprobs"
+TIED_HEAD = "lm_head.weight"
 # "no top-k": vLLM < 0.10 defaults to -1 and rejects 0; later releases default to 0 and
 # "quietly accept -1 as disabled" (vllm/sampling_params.py _verify_args). -1 works in both.
 NO_TOP_K = -1
@@ -193,6 +200,62 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def tied_embeddings(model_path: str) -> bool:
+    """Whether the model ties its LM head to the input embedding (config.json; a folder
+    without one, such as a tokenizer-only test folder, has no head to tie)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+    if Path(model_path).is_dir() and not (Path(model_path) / "config.json").exists():
+        return False
+    config = AutoConfig.from_pretrained(model_path)
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
+def embedding_name(names) -> str | None:
+    """The input embedding's name among HF parameter names (Qwen3: model.embed_tokens.weight)."""
+    return next((n for n in sorted(names) if n.endswith("embed_tokens.weight")), None)
+
+
+def sync_shapes(model_path: str, tied: bool) -> dict[str, tuple[int, ...]]:
+    """{name: shape} a sync sends: the checkpoint's tensors and, for a tied model, the head
+    (`lm_head.weight`, the embedding's shape) whether or not the checkpoint stores it."""
+    shapes = checkpoint_shapes(model_path)
+    emb = embedding_name(shapes)
+    if tied and emb is not None:
+        shapes.setdefault(TIED_HEAD, shapes[emb])
+    return shapes
+
+
+def with_tied_head(named: list, tied: bool) -> list:
+    """The learner's (name, tensor) pairs plus the tied head under its own name, the
+    embedding's tensor (named_parameters() lists a tied tensor once, as the embedding)."""
+    names = [n for n, _ in named]
+    emb = embedding_name(names)
+    if not tied or TIED_HEAD in names or emb is None:
+        return named
+    return list(named) + [(TIED_HEAD, dict(named)[emb])]
+
+
+def save_sync_file(named: list, folder: str) -> None:
+    """The weights as `folder`/model.safetensors, for a worker's reload_weights. A tensor
+    listed under two names (the tied head) is copied: safetensors refuses shared storage."""
+    from safetensors.torch import save_file
+    state, seen = {}, set()
+    for name, tensor in named:
+        t = tensor.detach().to("cpu").contiguous()
+        state[name] = t.clone() if t.data_ptr() in seen else t
+        seen.add(t.data_ptr())
+    save_file(state, f"{folder}/model.safetensors")
+
+
+def reset_prefix_cache(llm) -> None:
+    """Drop the cached prompt states after a weight reload (they hold the old weights' KV)."""
+    if llm.reset_prefix_cache() is False:
+        raise RuntimeError("vLLM did not reset its prefix cache after a weight sync (requests still running?); "
+                           "prompt states of the old weights would be reused")
+
+
 def ipc_update_info(named: list, handle=None) -> tuple[dict, list]:
     """vLLM's IPCWeightTransferUpdateInfo, unpacked, as vLLM's own trainer side builds it
     (vllm/distributed/weight_transfer/ipc_engine.py, IPCTrainerWeightTransferEngine): per
@@ -242,6 +305,7 @@ def _shard_main(shard: int, devices: str, model_path: str, engine_kwargs: dict, 
                 return
             if job[0] == "reload":          # a sync (VLLMEngine._reload_shards)
                 llm.collective_rpc("reload_weights", kwargs={"weights_path": job[1]})
+                reset_prefix_cache(llm)
                 conn.send(("ok", None))
                 continue
             prompt_ids, params, offset, stop_ids = job
@@ -292,7 +356,8 @@ class VLLMEngine:
         if resident:    # an online cell's sampler: weights synced in place, memory lent back between rounds
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # IPC handles carry torch types
             self.engine_kwargs |= {"enable_sleep_mode": True, "weight_transfer_config": {"backend": "ipc"}}
-        self.expected = checkpoint_shapes(model_path)      # the names and shapes a sync must send
+        self.tied = tied_embeddings(model_path)
+        self.expected = sync_shapes(model_path, self.tied)      # the names and shapes a sync must send
         self.llm, self._workers, self._transfer, self._asleep = None, [], False, False
         self.ipc_handle = None      # ipc_update_info's default (torch's reduce_tensor)
         if self.dp == 1:        # one shard: the engine lives in this process
@@ -311,13 +376,15 @@ class VLLMEngine:
         return self._generate_sharded(ids, params)
 
     def load_weights(self, named: list) -> None:
-        """The learner's weights into the engine in place (HF names; vLLM's model.load_weights
-        maps them to its fused layers). One engine in this process: vLLM's weight-transfer
-        API over CUDA IPC (vllm/distributed/weight_transfer/ipc_engine.py): the whole state
-        in one start/update/finish session (a layer left half-sent would be uninitialised),
-        the learner's tensors shared, not copied, then the prefix cache reset (its KV came
-        from the old weights). Engines in shard processes (data_parallel > 1, other GPUs):
-        the weights are written once to a folder each shard reloads (reload_weights)."""
+        """The learner's weights into the engine in place (HF names, the tied head added;
+        vLLM's model.load_weights maps them to its fused layers). One engine on a GPU in
+        this process: vLLM's weight-transfer API over CUDA IPC
+        (vllm/distributed/weight_transfer/ipc_engine.py): the whole state in one
+        start/update/finish session (a layer left half-sent would be uninitialised), the
+        learner's tensors shared, not copied. Engines in shard processes (data_parallel > 1,
+        other GPUs): the weights are written once to a folder that each shard reloads
+        (reload_weights). Then the prefix cache is reset (its KV came from the old weights)."""
+        named = with_tied_head(named, self.tied)
         check_weights([(n, tuple(t.shape)) for n, t in named], self.expected, "vLLM")
         if self.llm is None:
             return self._reload_shards(named)
@@ -331,7 +398,7 @@ class VLLMEngine:
         self.llm.update_weights({"update_info": info})
         self.llm.finish_weight_update()
         del refs            # the worker has copied them into its own parameters
-        self.llm.reset_prefix_cache()
+        reset_prefix_cache(self.llm)
         if self._asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = False
@@ -341,10 +408,8 @@ class VLLMEngine:
 
     def _reload_shards(self, named: list) -> None:
         import tempfile
-
-        from safetensors.torch import save_file
         with tempfile.TemporaryDirectory(prefix="ggpo-sync-") as tmp:
-            save_file({n: t.detach().to("cpu").contiguous() for n, t in named}, f"{tmp}/model.safetensors")
+            save_sync_file(named, tmp)
             for k, (_, conn, _) in enumerate(self._workers):
                 conn.send(("reload", tmp))
             for k in range(len(self._workers)):
