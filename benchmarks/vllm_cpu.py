@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 import time
+from typing import Any
 
 
 def trainer_logprobs(model, prompt_ids, responses, temperature, train_cfg):
@@ -52,6 +53,7 @@ def main() -> None:
     from pipeline import tasks
     from pipeline.config import load_config
     from pipeline.engines import SamplingParams, make_engine
+    from pipeline.engines.vllm_engine import VLLMEngine
     from pipeline.hf import load_model
     from stages import base, rollout
     from stages.base import model_path
@@ -61,7 +63,8 @@ def main() -> None:
     model = load_model(folder).eval()
     t0 = time.perf_counter()
     engine = make_engine("vllm", folder, rollout_cfg=cfg.rollout, seed=cfg.seed, resident=True)
-    result = {"start_seconds": round(time.perf_counter() - t0, 1)}
+    assert isinstance(engine, VLLMEngine)
+    result: dict[str, Any] = {"start_seconds": round(time.perf_counter() - t0, 1)}
     problems = tasks.splits(cfg.task)["train"][:args.prompts]
     prompts = [tasks.format_prompt(p.problem) for p in problems]
     outs = engine.generate(prompts, SamplingParams(args.n, 1.0, 1.0, cfg.rollout.max_new_tokens, 1))

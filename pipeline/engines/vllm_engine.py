@@ -471,6 +471,7 @@ class VLLMEngine:
         import tempfile
         with tempfile.TemporaryDirectory(prefix="ggpo-sync-") as tmp:
             save_sync_file(named, tmp)
+            assert self.llm is not None, "an in-process engine holds its LLM until close()"
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": tmp})
         reset_prefix_cache(self.llm)
 
