@@ -257,6 +257,7 @@ def test_a_resident_sampler_is_one_engine_on_the_learners_gpu(tmp_path, monkeypa
     from pipeline.config import load_config
     made = []
     monkeypatch.setattr(engines, "check_vllm", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # a CUDA host (else: vLLM's CPU build)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(runtime, "free_device_fraction", lambda: 0.95)
