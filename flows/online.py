@@ -32,7 +32,7 @@ from pipeline.config import PipelineConfig
 from pipeline.grid import Cell
 from pipeline.preflight import check_run
 from pipeline.stage import build_slot, set_parallel_builds
-from pipeline.store import Manifest, Store
+from pipeline.store import Manifest, Store, write_text_atomic
 from stages.online_cell import run_cell
 
 
@@ -142,8 +142,8 @@ def collect(cells: list[Cell], futures: list, evals: list, step: Runner, cfg: Pi
         curves.append(online_report.cell_curves(cell, cfg, manifests))
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "rounds.json"
-            path.write_text(json.dumps([{"stage": m.stage, "key": m.key, "folder": m.folder, "summary": m.summary}
-                                        for m in manifests], indent=1))
+            write_text_atomic(path, json.dumps([{"stage": m.stage, "key": m.key, "folder": m.folder,
+                                                 "summary": m.summary} for m in manifests], indent=1))
             client.log_artifact(runs[cell_name(cell)], str(path))
     return pl.DataFrame(records), pl.concat(curves, how="diagonal_relaxed")
 

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from pipeline import dag, grading, interrupt, online_report, paths, pool_source, report, services, stage, tracking
 from pipeline.config import PRESET_DIR, load_config, parse_overrides, preset_names
-from pipeline.errors import BenchmarkError, ConfigError, DatasetError, ExpectedError, NonFiniteUpdate, PoolError
+from pipeline.errors import BenchmarkError, ConfigError, DatasetError, DiskFull, ExpectedError, NonFiniteUpdate, PoolError
 from pipeline.store import Store, gc_plan, verify_all
 
 
@@ -506,6 +506,8 @@ HINTS: dict[type, str] = {
     PoolError: "fix the source, or map its columns: --map FIELD=COLUMN, pool.map",
     DatasetError: "fix the file, or pick a prompt set: --set task.name=digit_sort|arithmetic|PATH",
     BenchmarkError: "fix the file; eval.data_dir is a folder of <benchmark>.parquet/.jsonl files, or 'hub'",
+    DiskFull: "free space on that disk (or point GGPO_CACHE at a larger one) and rerun the same command: it resumes "
+              "from the last complete checkpoint and reuses every finished stage",
     NonFiniteUpdate: "try a smaller learning rate (--set train.lr=...) or a larger train.beta, which starts a "
                      "new run; the same command resumes from the checkpoint",
 }
