@@ -34,7 +34,7 @@ class RealDisk:
     """A tmpfs of `size` bytes at `root`; fill() leaves `room` bytes free with a filler file,
     free() deletes it."""
 
-    def __init__(self, root: Path, size: int = 16 * MiB):
+    def __init__(self, root: Path, size: int = 64 * MiB):
         root.mkdir(parents=True)
         done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(root)],
                               capture_output=True, text=True)
@@ -148,6 +148,64 @@ def test_training_checkpoint_keeps_the_previous_one(disk):
     disk.free()
     checkpoint.write_plain(folder, {"update": 2, "w": torch.zeros(MiB // 2)})
     assert checkpoint.load(folder)["update"] == 2
+
+
+def test_training_on_a_disk_that_fills_resumes_bit_exact(disk, tmp_path, base_manifest, pool, monkeypatch, caplog):
+    """The train stage (smoke, 12 updates, a checkpoint every 2): the disk fills once the
+    checkpoint after update 4 is written, so the one after update 6 fails. One line names
+    checkpoints/latest.pt and its size; the run published nothing; the checkpoint after
+    update 4 is intact. Space freed, the same call resumes after update 4 and ends with the
+    weights and metrics of an undisturbed run."""
+    import polars as pl
+    from safetensors.torch import load_file
+
+    from pipeline import dag
+    from pipeline.config import load_config
+    from pipeline.store import MANIFEST, Store
+    from stages import train
+    from stages.train import checkpoint
+    cfg = load_config("smoke", ["train.updates=12", "train.checkpoint_every=2", "train.method=grpo_tis",
+                                "train.updates_per_step=3"])
+    inputs, store = {"base": base_manifest, "pool": pool[2]}, Store(disk.root / "cache")
+    folder = store.folder("train", dag.expected_key("train", cfg))
+    save = checkpoint.save
+
+    def save_then_fill(folder, **kwargs):
+        save(folder, **kwargs)
+        if kwargs["update"] == 4:
+            disk.fill(4096)
+    monkeypatch.setattr(checkpoint, "save", save_then_fill)
+    with pytest.raises(DiskFull) as err:
+        train.run(cfg, inputs, store=store)
+    assert str(folder / "checkpoints" / checkpoint.NAME) in str(err.value) and "needs about" in str(err.value)
+    assert "\n" not in str(err.value) and not (folder / MANIFEST).exists()
+    assert checkpoint.load(folder / "checkpoints")["update"] == 4 and not leftovers(folder)
+    disk.free()
+    caplog.set_level("INFO", logger="ggpo")
+    resumed = train.run(cfg, inputs, store=store)
+    assert "resuming after update 4" in caplog.text
+    straight = train.run(cfg, inputs, store=Store(tmp_path / "straight"))
+    wa, wb = load_file(straight.path("weights")), load_file(resumed.path("weights"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert pl.read_parquet(resumed.path("metrics")).drop("seconds").equals(
+        pl.read_parquet(straight.path("metrics")).drop("seconds"))
+
+
+def test_policy_folder_keeps_the_previous_one(disk, base_manifest):
+    """A trained policy's HF folder (final weights, snapshots): written whole under a temp
+    name or not at all."""
+    from pipeline.hf import load_model, load_tokenizer
+    from stages.base import model_path
+    from stages.train import loop
+    model, tokenizer = load_model(model_path(base_manifest)), load_tokenizer(model_path(base_manifest))
+    final = disk.root / "snapshots" / "update-4"
+    loop.save_policy(model, tokenizer, final)
+    before = {p.name: p.read_bytes() for p in final.iterdir()}
+    disk.fill(0)
+    with pytest.raises(DiskFull) as err:
+        loop.save_policy(model, tokenizer, final)
+    assert str(final) in str(err.value) and "needs about" in str(err.value)
+    assert {p.name: p.read_bytes() for p in final.iterdir()} == before and not leftovers(disk.root)
 
 
 def _toy_stage():
