@@ -238,8 +238,14 @@ def is_disk_full(exc: BaseException | None) -> bool:
     return False
 
 
-def mib(n: int | None) -> str:
-    return "? MiB" if n is None else f"{n / (1 << 20):.1f} MiB"
+def size_text(n: int | None) -> str:
+    """Bytes for a message: "12 bytes", "3.4 KiB", "6.2 MiB", "1.5 GiB"."""
+    if n is None:
+        return "an unknown amount"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
 
 
 def free_bytes(path: Path) -> int | None:
@@ -254,8 +260,8 @@ def free_bytes(path: Path) -> int | None:
 
 def disk_full(path: Path, needed: int | None, doing: str = "writing") -> DiskFull:
     """The one line for a write into `path` that the disk could not hold."""
-    need = f"needs about {mib(needed)}" if needed else "needs more space"
-    return DiskFull(f"disk full: {doing} {path} {need}, {mib(free_bytes(path))} free there")
+    need = f"needs about {size_text(needed)}" if needed else "needs more space"
+    return DiskFull(f"disk full: {doing} {path} {need}, {size_text(free_bytes(path))} free there")
 
 
 @contextmanager
@@ -462,11 +468,10 @@ class Store:
         present = [k for k in keep if (folder / k).exists()]
         kept = f"; kept {', '.join(present)} to resume from" if present else ""
         if isinstance(exc, DiskFull):    # the write that failed named itself
-            return DiskFull(f"{exc} (stage {stage}: its unfinished build in {folder} was removed, "
-                            f"{mib(written)}{kept})")
-        need = f"more than the {mib(written)} it had written (removed{kept})" if written else f"more space{kept}"
+            return DiskFull(f"{exc} (stage {stage}: its unfinished files in {folder} were removed{kept})")
+        need = f"more than the {size_text(written)} it had written (removed{kept})" if written else f"more space{kept}"
         return DiskFull(f"disk full: building stage {stage} in {folder} needs {need}, "
-                        f"{mib(free_bytes(folder))} free there")
+                        f"{size_text(free_bytes(folder))} free there")
 
     def commit(self, manifest: Manifest) -> Manifest:
         """Publish a finished build: (remote: upload its files, then) the manifest, last.

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 from pipeline import interrupt, paths, pool_source, services
 from pipeline.errors import DiskFull
 from pipeline.grid import fmt, short_names
-from pipeline.store import Manifest, folder_bytes, is_disk_full, mib
+from pipeline.store import Manifest, folder_bytes, is_disk_full, size_text
 
 EXPERIMENT = "ggpo-offline"
 EXPERIMENTS = {"offline": EXPERIMENT, "online": "ggpo-online"}
@@ -129,7 +129,7 @@ class Resilient:
         local = Path(args[1]) if len(args) > 1 else None
         size = local.stat().st_size if local is not None and local.is_file() else (
             folder_bytes(local) if local is not None and local.is_dir() else None)
-        return DiskFull(f"disk full: MLflow could not store artifact {local} (needs about {mib(size)}) for run "
+        return DiskFull(f"disk full: MLflow could not store artifact {local} (needs about {size_text(size)}) for run "
                         f"{args[0] if args else '?'}: the artifact store of {self._client.tracking_uri} is out of "
                         f"space")
 

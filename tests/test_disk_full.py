@@ -386,3 +386,41 @@ def test_a_stage_on_a_really_full_disk_is_one_cli_line(tmp_path, monkeypatch, ca
         assert [m.stage for m in Store(disk.root / "cache").entries()] == ["base"]
     finally:
         disk.close()
+
+
+def test_online_cell_on_a_disk_that_fills_resumes_equal(disk, tmp_path, base_manifest, monkeypatch):
+    """An online cell (4 rounds, a rolling checkpoint after each): the disk fills once the
+    checkpoint after round 1 is written. The cell stops with one line; the round-1
+    checkpoint is the latest complete one, nothing half-written is left in its folder;
+    space freed, the same call resumes and ends with the policy of an undisturbed cell."""
+    from safetensors.torch import load_file
+
+    from pipeline import dag
+    from pipeline.config import load_config
+    from pipeline.store import Store
+    from stages import online_cell
+    cfg = load_config("smoke-online", {"train.updates_per_step": 2, "train.method": "grpo_tis",
+                                       "train.eval_every": None, "train.updates": 8, "online.checkpoint_every": 1})
+    straight = Store(tmp_path / "straight")
+    shutil.copytree(base_manifest.folder, straight.root / Path(base_manifest.folder).name)
+    online_cell.run_cell(cfg, straight, base_manifest)
+    store = Store(disk.root / "cache")
+    shutil.copytree(base_manifest.folder, store.root / Path(base_manifest.folder).name)
+    commit = online_cell.commit_checkpoint
+
+    def commit_then_fill(cell, final, state, meta):
+        commit(cell, final, state, meta)
+        if meta["round"] == 1:
+            disk.fill(4096)
+    monkeypatch.setattr(online_cell, "commit_checkpoint", commit_then_fill)
+    with pytest.raises(DiskFull) as err:
+        online_cell.run_cell(cfg, store, base_manifest)
+    assert str(store.root) in str(err.value) and "\n" not in str(err.value)
+    folder = online_cell.state_folder(store, cfg)
+    assert [r for r, _, _ in online_cell.checkpoints(folder)][-1] == 1
+    assert not [p for p in (folder / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+    disk.free()
+    online_cell.run_cell(cfg, store, base_manifest)
+    key = dag.expected_key("online_policy", cfg)
+    a, b = (load_file(s.load("online_policy", key).path("weights")) for s in (straight, store))
+    assert all(torch.equal(a[k], b[k]) for k in a)
