@@ -408,7 +408,13 @@ class Store:
             if mirrored.exists() and mirrored.read_text() == text and not check(manifest, hashes):
                 return manifest, []
             # first use on this machine, a rebuilt remote artifact, or a damaged mirror
-            self.remote.fetch(local.name, local)
+            try:
+                self.remote.fetch(local.name, local)
+            except Exception as exc:     # fetch downloads into a temp folder, removed on failure
+                if not is_disk_full(exc):
+                    raise
+                raise disk_full(local, sum(e.bytes for e in manifest.files.values()),
+                                f"mirroring {self.url}/{local.name} into") from exc
             problems = [f"{p} at {self.url}" for p in check(manifest, hashes)]
             if not problems:
                 write_text_atomic(mirrored, text)   # last: the mirror is complete
@@ -479,8 +485,15 @@ class Store:
         folder = Path(manifest.folder)
         text = manifest.model_copy(update={"folder": folder.name}).model_dump_json(indent=2)
         if self.remote is not None:
-            self.remote.upload(folder, folder.name)
-            self.remote.write_manifest(folder.name, text)
+            try:
+                self.remote.upload(folder, folder.name)
+                self.remote.write_manifest(folder.name, text)
+            except Exception as exc:     # the store is full, not this machine: say where
+                if not is_disk_full(exc):
+                    raise
+                raise DiskFull(f"disk full: uploading {folder} to {self.url}/{folder.name} needs about "
+                               f"{size_text(sum(e.bytes for e in manifest.files.values()))}: the store is out of "
+                               f"space") from exc
         write_text_atomic(folder / MANIFEST, text)
         return manifest
 

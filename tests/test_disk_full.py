@@ -116,9 +116,10 @@ def disk(request, tmp_path, monkeypatch):
 
 
 def leftovers(folder: Path) -> list[str]:
-    """Temporary files a write left behind (ours start with a dot or end in .tmp)."""
+    """Temporary files a write left behind (ours start with a dot or end in .tmp; a mirror's
+    lock file stays by design)."""
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                  if p.name.startswith(".") or p.name.endswith(".tmp"))
+                  if (p.name.startswith(".") or p.name.endswith(".tmp")) and not p.name.endswith(".lock"))
 
 
 def test_manifest_write_keeps_the_previous_file(disk):
@@ -424,3 +425,27 @@ def test_online_cell_on_a_disk_that_fills_resumes_equal(disk, tmp_path, base_man
     key = dag.expected_key("online_policy", cfg)
     a, b = (load_file(s.load("online_policy", key).path("weights")) for s in (straight, store))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_remote_artifact_mirrored_onto_a_full_disk(disk, tmp_path, monkeypatch):
+    """A shared store (`file://` URL) read on a machine whose mirror disk is full: one line
+    naming the mirror folder and the artifact's size (not "cannot reach the store"), no
+    half mirror read; space freed, the same load mirrors it."""
+    from pipeline.store import Store
+    url = (tmp_path / "shared").as_uri()
+    monkeypatch.setenv("GGPO_STAGING", str(tmp_path / "writer"))
+    writer = Store(url)
+    folder = writer.begin("toy", "a" * 64)
+    (folder / "out.bin").write_bytes(os.urandom(2 * MiB))
+    from pipeline.store import Manifest, file_entry, now_iso
+    writer.commit(Manifest(stage="toy", key="a" * 64, version=1, folder=str(folder), config={}, inputs={},
+                           files={"out": file_entry(folder, "out.bin")}, created_at=now_iso(), seconds=0.0))
+    monkeypatch.setenv("GGPO_STAGING", str(disk.root / "reader"))
+    reader = Store(url)
+    disk.fill(64 * 1024)
+    with pytest.raises(DiskFull) as err:
+        reader.load("toy", "a" * 64)
+    assert str(reader.folder("toy", "a" * 64)) in str(err.value) and "needs about 2.0 MiB" in str(err.value)
+    assert not (reader.folder("toy", "a" * 64) / "manifest.json").exists() and not leftovers(disk.root)
+    disk.free()
+    assert reader.load("toy", "a" * 64) is not None
