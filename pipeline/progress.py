@@ -221,7 +221,8 @@ class _Artifact:
         self.id: UUID | None = None
 
     def update(self, percent: float, description: str) -> None:
-        if self.dead:
+        from pipeline import orchestration
+        if self.dead or orchestration.down():      # down: its server stopped answering mid-run
             return
         try:
             from prefect.artifacts import create_progress_artifact, update_progress_artifact
