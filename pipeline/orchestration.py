@@ -93,14 +93,23 @@ def mark_down(why: BaseException | str | None = None) -> None:
     except Exception:       # noqa: BLE001 - silencing must never fail the run
         pass
     # not print(): inside a flow (log_prints) that would become one of Prefect's log records
+    then = "; `ggpo up` restarts it and records how this run ended" if own_server() else ""
     sys.stderr.write(f"ggpo: warning: the Prefect server at {api_url()} stopped answering; the run goes on without "
-                     f"it (results are in the cache and MLflow; `ggpo up` restarts it and records how this run "
-                     f"ended)\n")
+                     f"it (results are in the cache and MLflow{then})\n")
     sys.stderr.flush()
 
 
+def own_server() -> bool:
+    """Whether the API in use is the Prefect server `ggpo up` started for this state folder."""
+    ours = services.read_state().get("urls", {}).get("prefect_api", "")
+    return bool(ours) and ours.rstrip("/") == api_url().rstrip("/")
+
+
 def record(flow_run_id: Any, state) -> None:
-    """Keep the flow run's latest state for the server to learn later (last one wins)."""
+    """Keep the flow run's latest state for the server to learn later (last one wins);
+    only for `ggpo up`'s server (a temporary one does not come back)."""
+    if not own_server():
+        return
     folder = unreported_dir()
     folder.mkdir(parents=True, exist_ok=True)
     entry = {"flow_run_id": str(flow_run_id), "api_url": api_url(), "type": state.type.value,
