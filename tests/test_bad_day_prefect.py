@@ -122,3 +122,22 @@ def test_not_healthy_names_what_is_gone():
     line = services.not_healthy(report)
     assert "\n" not in line and "pid 4242" in line and "is gone" in line and "`ggpo up` restarts it" in line
     assert services.not_healthy({"services": {"prefect": {"pid": 1, "alive": True, "healthy": True}}}) == ""
+
+
+def test_the_end_of_a_run_is_kept_for_ggpo_ups_server_only(tmp_path, monkeypatch):
+    import httpx
+    from prefect.states import Completed
+
+    from pipeline import orchestration
+    monkeypatch.setenv("GGPO_HOME", str(tmp_path))
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    assert orchestration.connection_error(httpx.ConnectError("refused"))
+    assert not orchestration.connection_error(RuntimeError("a refused call"))
+    orchestration.record("r1", Completed())     # a temporary server (no services.json): nothing to report later
+    assert not orchestration.unreported_dir().exists()
+    (tmp_path / "services.json").write_text(json.dumps({"urls": {"prefect_api": "http://127.0.0.1:1/api"}}))
+    orchestration.record("r1", Completed(message="done"))
+    entry = json.loads((orchestration.unreported_dir() / "r1.json").read_text())
+    assert (entry["type"], entry["name"], entry["message"]) == ("COMPLETED", "Completed", "done")
+    assert orchestration.report_unreported() == []      # its server is not up: kept for the next time
+    assert (orchestration.unreported_dir() / "r1.json").exists()
