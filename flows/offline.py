@@ -199,6 +199,8 @@ def publish_report(result: dict, records: list[dict], preset: str) -> None:
         create_table_artifact(table=records, key=f"{key}-evaluations",
                               description="every evaluation: method, seed, update, accuracy")
     except Exception as e:       # noqa: BLE001 - the run itself succeeded
+        if orchestration.noticed(e):     # its server went away meanwhile (said once)
+            return
         get_run_logger().warning("report not published as Prefect artifacts: %s: %s", type(e).__name__, e)
 
 

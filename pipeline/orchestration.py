@@ -99,6 +99,17 @@ def mark_down(why: BaseException | str | None = None) -> None:
     sys.stderr.flush()
 
 
+def noticed(exc: BaseException) -> bool:
+    """For callers that do without the server (artifacts, progress): whether `exc` says it
+    is gone; if so it is marked gone (said once), so the run stops waiting on it."""
+    if _DOWN.is_set():
+        return True
+    if connection_error(exc) and gone():
+        mark_down(exc)
+        return True
+    return False
+
+
 def own_server() -> bool:
     """Whether the API in use is the Prefect server `ggpo up` started for this state folder."""
     ours = services.read_state().get("urls", {}).get("prefect_api", "")
