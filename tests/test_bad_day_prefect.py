@@ -141,3 +141,31 @@ def test_the_end_of_a_run_is_kept_for_ggpo_ups_server_only(tmp_path, monkeypatch
     assert (entry["type"], entry["name"], entry["message"]) == ("COMPLETED", "Completed", "done")
     assert orchestration.report_unreported() == []      # its server is not up: kept for the next time
     assert (orchestration.unreported_dir() / "r1.json").exists()
+
+
+def test_watching_a_deployment_run_ends_in_one_line_when_its_server_or_serve_process_goes(monkeypatch):
+    import httpx
+
+    from pipeline import cli
+    from pipeline.errors import ServiceError
+
+    class Gone:
+        def read_flow_run(self, run_id):
+            raise httpx.ConnectError("All connection attempts failed")
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
+    with pytest.raises(ServiceError, match="stopped answering while this command watched flow run r1; `ggpo up`"):
+        cli.watch_flow_run(Gone(), "r1")
+
+    class Running:
+        def read_flow_run(self, run_id):
+            from types import SimpleNamespace
+            return SimpleNamespace(state=SimpleNamespace(is_final=lambda: False), name="quiet-fox", state_name="Running")
+
+        def read_logs(self, *args, **kwargs):
+            return []
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with pytest.raises(ServiceError, match="serves the deployments .* is gone, so flow run quiet-fox stays Running"):
+        cli.watch_flow_run(Running(), "6326a6a2-1e64-4128-8eb0-47ccc329c4b2", dead.pid)
