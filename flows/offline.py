@@ -26,7 +26,7 @@ from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
-from pipeline import dag, grading, grid, interrupt, placement, progress, report, tracking
+from pipeline import dag, grading, grid, interrupt, orchestration, placement, progress, report, tracking
 from pipeline.config import PipelineConfig
 from pipeline.grid import Cell
 from pipeline.preflight import check_run
@@ -188,6 +188,8 @@ def publish_report(result: dict, records: list[dict], preset: str) -> None:
     """The report in the Prefect UI (the flow run's Artifacts tab): the tables as markdown,
     the summary metrics and every evaluation as tables. A report the UI cannot take is a
     warning, never a failed run: the same report is in MLflow already."""
+    if orchestration.down():     # the server stopped answering mid-run (said once already)
+        return
     key = progress.artifact_key(f"ggpo {preset}")
     try:
         create_markdown_artifact(markdown=result["table"], key=f"{key}-report",
@@ -197,6 +199,8 @@ def publish_report(result: dict, records: list[dict], preset: str) -> None:
         create_table_artifact(table=records, key=f"{key}-evaluations",
                               description="every evaluation: method, seed, update, accuracy")
     except Exception as e:       # noqa: BLE001 - the run itself succeeded
+        if orchestration.noticed(e):     # its server went away meanwhile (said once)
+            return
         get_run_logger().warning("report not published as Prefect artifacts: %s: %s", type(e).__name__, e)
 
 

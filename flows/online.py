@@ -27,7 +27,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from flows.offline import Runner, cancelled, publish_report
-from pipeline import dag, grading, interrupt, online_report, placement, progress, tracking
+from pipeline import dag, grading, interrupt, online_report, orchestration, placement, progress, tracking
 from pipeline.config import PipelineConfig
 from pipeline.grid import Cell
 from pipeline.preflight import check_run
@@ -68,6 +68,7 @@ def log_round(run_id: str | None, name: str, rounds: list[dict], r: int, pool: M
         create_table_artifact(table=rounds, key=progress.artifact_key(f"{name} rounds"),
                               description=f"online cell {name}: one row per finished round")
     except Exception as exc:     # noqa: BLE001 - the round is recorded in the store and MLflow already
+        orchestration.noticed(exc)      # its server gone: said once, and no more waiting on it
         get_run_logger().debug("round artifact not published: %s", exc)
 
 
