@@ -26,12 +26,12 @@ from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
-from pipeline import dag, grading, grid, interrupt, placement, progress, report, tracking
+from pipeline import dag, grading, grid, interrupt, orchestration, placement, progress, report, tracking
 from pipeline.config import PipelineConfig
 from pipeline.grid import Cell
 from pipeline.preflight import check_run
 from pipeline.stage import build_slot, outcome, set_parallel_builds
-from pipeline.store import Manifest, Store
+from pipeline.store import Manifest, Store, write_file_atomic, write_text_atomic
 
 # the stages' progress and resume lines (logger "ggpo"; forwarded to the Prefect API where
 # PREFECT_LOGGING_EXTRA_LOGGERS names it, as `ggpo up`'s serve process does): INFO unless set
@@ -155,10 +155,10 @@ def write_benchmark_report(finals: list[pl.DataFrame], cfg: PipelineConfig, fold
     ks = [k for k in cfg.eval.pass_k if k <= cfg.eval.n_samples]
     t1_md, t3_md, t1, t3 = report.benchmark_tables(pl.concat(finals, how="diagonal_relaxed"), cfg.eval.n_samples, ks)
     paths = [folder / n for n in ("benchmarks.md", "benchmarks.csv", "pass_at_k.md", "pass_at_k.csv", "pass_at_k.png")]
-    paths[0].write_text(t1_md)
-    t1.write_csv(paths[1])
-    paths[2].write_text(t3_md)
-    t3.write_csv(paths[3])
+    write_text_atomic(paths[0], t1_md)
+    write_file_atomic(paths[1], t1.write_csv)
+    write_text_atomic(paths[2], t3_md)
+    write_file_atomic(paths[3], t3.write_csv)
     report.pass_at_k_figure(t3, ks, paths[4])
     return paths
 
@@ -188,6 +188,8 @@ def publish_report(result: dict, records: list[dict], preset: str) -> None:
     """The report in the Prefect UI (the flow run's Artifacts tab): the tables as markdown,
     the summary metrics and every evaluation as tables. A report the UI cannot take is a
     warning, never a failed run: the same report is in MLflow already."""
+    if orchestration.down():     # the server stopped answering mid-run (said once already)
+        return
     key = progress.artifact_key(f"ggpo {preset}")
     try:
         create_markdown_artifact(markdown=result["table"], key=f"{key}-report",
@@ -197,6 +199,8 @@ def publish_report(result: dict, records: list[dict], preset: str) -> None:
         create_table_artifact(table=records, key=f"{key}-evaluations",
                               description="every evaluation: method, seed, update, accuracy")
     except Exception as e:       # noqa: BLE001 - the run itself succeeded
+        if orchestration.noticed(e):     # its server went away meanwhile (said once)
+            return
         get_run_logger().warning("report not published as Prefect artifacts: %s: %s", type(e).__name__, e)
 
 

@@ -27,12 +27,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
 from flows.offline import Runner, cancelled, publish_report
-from pipeline import dag, grading, interrupt, online_report, placement, progress, tracking
+from pipeline import dag, grading, interrupt, online_report, orchestration, placement, progress, tracking
 from pipeline.config import PipelineConfig
 from pipeline.grid import Cell
 from pipeline.preflight import check_run
 from pipeline.stage import build_slot, set_parallel_builds
-from pipeline.store import Manifest, Store
+from pipeline.store import Manifest, Store, write_text_atomic
 from stages.online_cell import run_cell
 
 
@@ -68,6 +68,7 @@ def log_round(run_id: str | None, name: str, rounds: list[dict], r: int, pool: M
         create_table_artifact(table=rounds, key=progress.artifact_key(f"{name} rounds"),
                               description=f"online cell {name}: one row per finished round")
     except Exception as exc:     # noqa: BLE001 - the round is recorded in the store and MLflow already
+        orchestration.noticed(exc)      # its server gone: said once, and no more waiting on it
         get_run_logger().debug("round artifact not published: %s", exc)
 
 
@@ -142,8 +143,8 @@ def collect(cells: list[Cell], futures: list, evals: list, step: Runner, cfg: Pi
         curves.append(online_report.cell_curves(cell, cfg, manifests))
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "rounds.json"
-            path.write_text(json.dumps([{"stage": m.stage, "key": m.key, "folder": m.folder, "summary": m.summary}
-                                        for m in manifests], indent=1))
+            write_text_atomic(path, json.dumps([{"stage": m.stage, "key": m.key, "folder": m.folder,
+                                                 "summary": m.summary} for m in manifests], indent=1))
             client.log_artifact(runs[cell_name(cell)], str(path))
     return pl.DataFrame(records), pl.concat(curves, how="diagonal_relaxed")
 

@@ -24,9 +24,9 @@ from typing import cast
 
 from pydantic import ValidationError
 
-from pipeline import dag, grading, interrupt, online_report, paths, pool_source, report, services, stage, tracking
+from pipeline import dag, grading, interrupt, online_report, orchestration, paths, pool_source, report, services, stage, tracking
 from pipeline.config import PRESET_DIR, load_config, parse_overrides, preset_names
-from pipeline.errors import BenchmarkError, ConfigError, DatasetError, ExpectedError, NonFiniteUpdate, PoolError
+from pipeline.errors import BenchmarkError, ConfigError, DatasetError, DiskFull, ExpectedError, NonFiniteUpdate, PoolError
 from pipeline.store import Store, gc_plan, verify_all
 
 
@@ -101,7 +101,14 @@ def cmd_up(args) -> int:
           f"                          {tracking.experiment_link(state['urls']['mlflow'], 'online')} (online)")
     print("  deployments: ggpo/offline, ggpo/online  (prefect deployment run ggpo/offline --watch)")
     print_exports(state)
+    print_unreported()
     return 0
+
+
+def print_unreported() -> None:
+    """Flow runs that ended while the Prefect server was down: their end, told to it now."""
+    for line in orchestration.report_unreported():
+        print(f"  {line}")
 
 
 def print_exports(state: dict) -> None:
@@ -129,6 +136,8 @@ def cmd_status(args) -> int:
         print(f"  {name:8s} pid {s['pid']:>7}  {'healthy' if s['healthy'] else 'NOT healthy'}")
     print(f"  Prefect UI: {state['urls']['prefect_ui']}\n  MLflow UI:  {state['urls']['mlflow']}")
     print_exports(state)
+    if state["services"].get("prefect", {}).get("healthy"):
+        print_unreported()
     return 0 if all(s["healthy"] for s in state["services"].values()) else 1
 
 
@@ -146,11 +155,13 @@ def cmd_run(args) -> int:
     # Prefect's state and result pickles under $GGPO_HOME, not ~/.prefect
     os.environ.setdefault("PREFECT_HOME", str(paths.state_dir() / "prefect"))
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(paths.state_dir() / "prefect" / "storage"))
+    orchestration.settings()    # bounded client retries: read once, at `import prefect`
     ensure_prefect_api()
     if args.flow == "online":
         from flows.online import ggpo_online as ggpo
     else:
         from flows.offline import ggpo
+    orchestration.install()     # a server that goes away mid-run: one line, the run goes on
     if not args.debug:
         for name in ("prefect.task_runs", "prefect.flow_runs"):
             logging.getLogger(name).addFilter(drop_expected_tracebacks)
@@ -179,9 +190,13 @@ def run_deployment(args) -> int:
     as they come, and on Ctrl-C the Prefect run is cancelled; the serve process then stops
     it at its safe points (SIGTERM: pipeline/interrupt.py) and it ends Cancelled."""
     state = services.status()
-    if not state or not all(s["healthy"] for s in state["services"].values()):
+    if not state:
         raise services.ServiceError("ggpo run --deployment needs the servers and the deployment: run `ggpo up` first")
+    sick = services.not_healthy(state)
+    if sick:
+        raise services.ServiceError(f"ggpo run --deployment: {sick}")
     os.environ["PREFECT_API_URL"] = state["urls"]["prefect_api"]
+    orchestration.settings()
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment as start
@@ -190,7 +205,7 @@ def run_deployment(args) -> int:
     run = cast(FlowRun, start(f"ggpo/{args.flow}", parameters=params, timeout=0))
     print(f"flow run {run.name}: {state['urls']['prefect_ui']}/runs/flow-run/{run.id}", flush=True)
     with get_client(sync_client=True) as client, interrupt.handlers():
-        final = watch_flow_run(client, run.id)
+        final = watch_flow_run(client, run.id, state["pids"].get("serve"))
     if final.is_cancelled():
         print(f"ggpo: {(final.message or '').removeprefix('ggpo: ') or 'cancelled'}", file=sys.stderr)
         return interrupt.EXIT_CODE
@@ -200,8 +215,21 @@ def run_deployment(args) -> int:
     return 0
 
 
-def watch_flow_run(client, run_id):
-    """Print the run's logs until it ends (cancelling it once a stop is requested here)."""
+def watch_flow_run(client, run_id, serve_pid: int | None = None):
+    """Print the run's logs until it ends (cancelling it once a stop is requested here).
+    A serve process (`serve_pid`) or Prefect server that goes away meanwhile ends the watch
+    with one line that says so."""
+    try:
+        return _watch_flow_run(client, run_id, serve_pid)
+    except Exception as exc:
+        if not orchestration.connection_error(exc):
+            raise
+        raise services.ServiceError(f"the Prefect server at {os.environ.get('PREFECT_API_URL')} stopped answering "
+                                    f"while this command watched flow run {run_id}; `ggpo up` restarts it "
+                                    f"(see {paths.state_dir() / 'logs' / 'prefect.log'})") from None
+
+
+def _watch_flow_run(client, run_id, serve_pid: int | None):
     import time
 
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
@@ -220,6 +248,10 @@ def watch_flow_run(client, run_id):
         seen += len(logs)
         if flow_run.state is not None and flow_run.state.is_final():
             return flow_run.state
+        if serve_pid and not services.alive(serve_pid):
+            raise services.ServiceError(f"{services.WHAT['serve']} (pid {serve_pid}) is gone, so flow run "
+                                        f"{flow_run.name} stays {flow_run.state_name}; `ggpo up` restarts it "
+                                        f"(see {paths.state_dir() / 'logs' / 'serve.log'})")
         time.sleep(1.0)
 
 
@@ -506,6 +538,8 @@ HINTS: dict[type, str] = {
     PoolError: "fix the source, or map its columns: --map FIELD=COLUMN, pool.map",
     DatasetError: "fix the file, or pick a prompt set: --set task.name=digit_sort|arithmetic|PATH",
     BenchmarkError: "fix the file; eval.data_dir is a folder of <benchmark>.parquet/.jsonl files, or 'hub'",
+    DiskFull: "free space on that disk (or point GGPO_CACHE at a larger one) and rerun the same command: it resumes "
+              "from the last complete checkpoint and reuses every finished stage",
     NonFiniteUpdate: "try a smaller learning rate (--set train.lr=...) or a larger train.beta, which starts a "
                      "new run; the same command resumes from the checkpoint",
 }

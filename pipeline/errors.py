@@ -65,6 +65,17 @@ class VLLMOutputError(ExpectedError, RuntimeError):
     """vLLM returned a completion without a finite log-prob for a sampled token."""
 
 
+class DiskFull(ExpectedError, OSError):
+    """A write failed for lack of space (ENOSPC, or a quota): the message names the path and
+    the space the write needed. What was half-written is removed and what was complete before
+    (the previous checkpoint, manifest or report) is intact, so a rerun once space is freed
+    resumes. An OSError too (errno ENOSPC), so code that handles OSError still sees one."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.errno = 28     # errno.ENOSPC, without importing errno into this leaf module
+
+
 class Interrupted(ExpectedError):
     """Work stopped at a safe point because a stop was requested; the message says where."""
 

@@ -29,6 +29,7 @@ import polars as pl
 from pipeline import dag, grid, tracking
 from pipeline.config import PipelineConfig
 from pipeline.report import cell as fmt_cell
+from pipeline.store import write_file_atomic, write_text_atomic
 
 KEYS = ("method", "cell", "N", "t_ref")
 DIAGNOSTICS = ("k3_mismatch", "ess", "mean_ell", "entropy", "success_ess", "response_length")
@@ -228,7 +229,7 @@ def figures(evals: pl.DataFrame, curves: pl.DataFrame, diag: pl.DataFrame, folde
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=90))
     import matplotlib.pyplot as plt
     plt.close(fig)
     return path
@@ -238,23 +239,23 @@ def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) 
     """Every table and figure into `folder`: (the Markdown of all tables, the files)."""
     evals = in_cell_order(evals)
     parts = [markdown_final(evals, metric)]
-    finals(evals).write_csv(folder / "final.csv")
+    write_file_atomic(folder / "final.csv", finals(evals).write_csv)
     paths = [folder / "final.csv"]
     for field, name, title in (("N", "staleness", f"Final accuracy ({metric}, %) against synchronization delay N"),
                                ("t_ref", "refresh", f"Final accuracy ({metric}, %): fixed vs refreshed reference")):
         table = pivot_table(evals, field, title)
         if table is not None:
             parts.append(table[0])
-            table[1].write_csv(folder / f"{name}.csv")
+            write_file_atomic(folder / f"{name}.csv", table[1].write_csv)
             paths.append(folder / f"{name}.csv")
     diag = diagnostics(curves)
     parts.append(markdown_frame(diag.drop([c for c in diag.columns if c.count(".")] or []),
                                 "Diagnostics over the last quarter of updates (seed means)"))
-    diag.write_csv(folder / "diagnostics.csv")
-    curves.write_csv(folder / "curves.csv")
+    write_file_atomic(folder / "diagnostics.csv", diag.write_csv)
+    write_file_atomic(folder / "curves.csv", curves.write_csv)
     paths += [folder / "diagnostics.csv", folder / "curves.csv"] + figures(evals, curves, diag, folder)
     markdown = "\n".join(parts)
-    (folder / "report.md").write_text(markdown)
+    write_text_atomic(folder / "report.md", markdown)
     return markdown, [folder / "report.md"] + paths
 
 

@@ -43,6 +43,8 @@ import time
 from typing import Any
 from uuid import UUID
 
+from pipeline import orchestration
+
 log = logging.getLogger("ggpo")
 
 
@@ -221,7 +223,7 @@ class _Artifact:
         self.id: UUID | None = None
 
     def update(self, percent: float, description: str) -> None:
-        if self.dead:
+        if self.dead or orchestration.down():      # down: its server stopped answering mid-run
             return
         try:
             from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -234,6 +236,7 @@ class _Artifact:
                 update_progress_artifact(self.id, progress=percent, description=description, _sync=True)  # type: ignore[call-arg]
         except Exception as e:       # noqa: BLE001 - progress must never fail the work it reports
             self.dead = True
+            orchestration.noticed(e)     # its server gone: the run stops waiting on it
             log.debug("progress artifact %s disabled: %s: %s", self.key, type(e).__name__, e)
 
 

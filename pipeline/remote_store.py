@@ -149,6 +149,9 @@ class Remote:
         except StoreError:
             raise
         except Exception as exc:
+            from pipeline.store import is_disk_full  # here: pipeline.store imports this module
+            if is_disk_full(exc):       # a full disk, not a store that cannot be reached: the caller names it
+                raise
             raise StoreError(describe(exc, self.url)) from exc
 
     def read_manifest(self, name: str) -> str | None:
@@ -183,8 +186,9 @@ class Remote:
                 self.call(self.fs.get, [f"{self.path(name)}/{r}" for r in rels], targets)
             shutil.rmtree(local, ignore_errors=True)
             os.replace(tmp, local)
-        except OSError:
-            if not local.is_dir():
+        except OSError as exc:
+            from pipeline.store import is_disk_full
+            if not local.is_dir() or is_disk_full(exc):
                 raise
             # another process on this machine mirrored the same artifact first: use its copy
         finally:

@@ -13,6 +13,7 @@ from pathlib import Path
 import polars as pl
 
 from pipeline import dag, grid
+from pipeline.store import write_file_atomic, write_text_atomic
 
 
 def training_curves(trained, method: str, seed: int, cell: str | None = None) -> pl.DataFrame:
@@ -81,7 +82,7 @@ def figure(evals: pl.DataFrame, curves: pl.DataFrame, path: Path) -> None:
         ax.set_xlabel("update")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
     plt.close(fig)
 
 
@@ -90,8 +91,9 @@ def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) 
     folder.mkdir(parents=True, exist_ok=True)
     summary = summarize(evals)
     paths = {"markdown": folder / "report.md", "csv": folder / "report.csv", "figure": folder / "curves.png"}
-    paths["markdown"].write_text(markdown(summary, metric))
-    summary.write_csv(paths["csv"])
+    # each file written whole or not at all (a full disk leaves the previous report)
+    write_text_atomic(paths["markdown"], markdown(summary, metric))
+    write_file_atomic(paths["csv"], summary.write_csv)
     figure(evals, curves, paths["figure"])
     return paths
 
@@ -174,5 +176,5 @@ def pass_at_k_figure(t3: pl.DataFrame, ks: list[int], path: Path) -> None:
     ax.set_ylabel("pass@K")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
     plt.close(fig)

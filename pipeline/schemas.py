@@ -5,13 +5,12 @@ never sees half a file. No timestamps are written, so equal data gives equal byt
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.store import fsync_rename
+from pipeline.store import atomic_path
 
 PROMPTS = pa.schema([
     ("prompt_id", pa.string()), ("group", pa.int32()), ("problem", pa.string()),
@@ -77,7 +76,7 @@ def write_parquet(rows: dict[str, list] | pa.Table, schema: pa.Schema, path: Pat
     """Write `rows` (column lists or a table) with `schema` atomically; return row count."""
     table = rows if isinstance(rows, pa.Table) else pa.table(rows, schema=schema)
     table = table.select(schema.names).cast(schema)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, compression="zstd")
-    fsync_rename(tmp, path)
+    # the uncompressed size: what the file needs at most (a full disk names it)
+    with atomic_path(path, table.nbytes) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
     return table.num_rows

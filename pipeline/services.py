@@ -195,6 +195,23 @@ def status() -> dict:
     return state | {"services": report}
 
 
+WHAT = {"prefect": "the Prefect server", "mlflow": "the MLflow server",
+        "serve": "the process that serves the deployments ggpo/offline and ggpo/online"}
+
+
+def not_healthy(state: dict) -> str:
+    """One line on what of `ggpo up`'s services is gone or not answering (`status()`'s
+    report) and how to bring it back; "" when all are healthy."""
+    sick = [(name, s) for name, s in state["services"].items() if not s["healthy"]]
+    if not sick:
+        return ""
+    logs = paths.state_dir() / "logs"
+    parts = [f"{WHAT.get(name, name)} (pid {s['pid']}) {'is not answering' if s['alive'] else 'is gone'}"
+             + (", so no deployment run would start" if name == "serve" else "") for name, s in sick]
+    names = " ".join(f"{logs / name}.log" for name, _ in sick)
+    return f"{'; '.join(parts)}; `ggpo up` restarts {'it' if len(sick) == 1 else 'them'} (see {names})"
+
+
 def down() -> bool:
     state = read_state()
     for pid in reversed(list(state.get("pids", {}).values())):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator
 from pipeline import interrupt, tasks
 from pipeline.config import PipelineConfig
 from pipeline.errors import DamagedArtifact
-from pipeline.store import Manifest, Store, check, file_entry, now_iso, stage_key
+from pipeline.store import Manifest, Store, check, file_entry, is_disk_full, now_iso, stage_key
 
 log = logging.getLogger("ggpo")
 
@@ -144,12 +144,19 @@ def _run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manife
     folder = store.begin(spec.name, key, keep=() if force else spec.keep_on_rebuild)
     log.info("%s: building %s in %s", spec.name, key[:16], folder)
     start = time.perf_counter()
-    built = spec.build(config, inputs, folder)
-    files = {name: file_entry(folder, rel, rows) for name, (rel, rows) in built.files.items()}
-    manifest = Manifest(
-        stage=spec.name, key=key, version=spec.version, folder=str(folder),
-        config=config.slice(spec.reads, spec.ignores), inputs=input_keys, files=files,
-        summary=built.summary, created_at=now_iso(),
-        seconds=round(time.perf_counter() - start, 3), content=content,
-    )
-    return store.commit(manifest)
+    try:
+        built = spec.build(config, inputs, folder)
+        files = {name: file_entry(folder, rel, rows) for name, (rel, rows) in built.files.items()}
+        manifest = Manifest(
+            stage=spec.name, key=key, version=spec.version, folder=str(folder),
+            config=config.slice(spec.reads, spec.ignores), inputs=input_keys, files=files,
+            summary=built.summary, created_at=now_iso(),
+            seconds=round(time.perf_counter() - start, 3), content=content,
+        )
+        return store.commit(manifest)
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        # the manifest was not written (it is last), so no run reads this build; its files
+        # go so they hold no space, except what the rerun resumes from
+        raise store.abandon(folder, spec.name, spec.keep_on_rebuild, exc) from exc

@@ -31,6 +31,7 @@ place, as before. `check_store` opens the store before any work (one line if it 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -40,11 +41,11 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel
 
-from pipeline.errors import DamagedArtifact, StoreError
+from pipeline.errors import DamagedArtifact, DiskFull, StoreError
 from pipeline.remote_store import Remote, check_remote, is_url, mirror_root
 
 CACHE_ENV = "GGPO_CACHE"
@@ -212,10 +213,84 @@ def fsync_rename(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
 
 
+# ---------------------------------------------------------------- a full disk
+# Every write of the project goes to a temporary file that is renamed into place once
+# complete, so a disk that fills mid-write leaves the previous file (manifest, checkpoint,
+# report) as it was; the temporary is removed, and the failure becomes one line (DiskFull)
+# naming the path and the space the write needed.
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# how libraries that wrap the OS error say it (safetensors' Rust writer, an MLflow server's reply)
+NO_SPACE_WORDS = ("No space left on device", "Disk quota exceeded")
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc`, or an exception it was raised from or while handling, is a full disk
+    or quota: errno ENOSPC/EDQUOT, or a wrapper whose message says so."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+            return True
+        if any(w in str(exc) for w in NO_SPACE_WORDS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def size_text(n: int | None) -> str:
+    """Bytes for a message: "12 bytes", "3.4 KiB", "6.2 MiB", "1.5 GiB"."""
+    if n is None:
+        return "an unknown amount"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes free on the filesystem that holds `path` (its nearest existing parent)."""
+    for where in (path, *path.parents):
+        try:
+            return shutil.disk_usage(where).free
+        except OSError:
+            continue
+    return None
+
+
+def disk_full(path: Path, needed: int | None, doing: str = "writing") -> DiskFull:
+    """The one line for a write into `path` that the disk could not hold."""
+    need = f"needs about {size_text(needed)}" if needed else "needs more space"
+    return DiskFull(f"disk full: {doing} {path} {need}, {size_text(free_bytes(path))} free there")
+
+
+@contextmanager
+def atomic_path(path: Path, needed: int | Callable[[], int] | None = None) -> Iterator[Path]:
+    """A temporary path next to `path` (same suffix: writers that go by it still do) for
+    the body to write; once the body is done it is fsynced and renamed onto `path`. On any
+    failure the temporary is removed, so `path` keeps what it held, and a full disk raises
+    DiskFull naming `path` and `needed` bytes (a number or a function computing it)."""
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}-{threading.get_ident()}{path.suffix}")
+    try:
+        yield tmp
+        fsync_rename(tmp, path)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, DiskFull) or not is_disk_full(exc):
+            raise
+        raise disk_full(path, needed() if callable(needed) else needed) from exc
+
+
+def write_file_atomic(path: Path, write: Callable[[Path], object], needed: int | None = None) -> None:
+    """`write(tmp)` (e.g. a DataFrame's write_csv, a figure's savefig), then renamed onto `path`."""
+    with atomic_path(path, needed) as tmp:
+        write(tmp)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    fsync_rename(tmp, path)
+    data = text.encode()
+    with atomic_path(path, len(data)) as tmp:
+        tmp.write_bytes(data)
 
 
 def default_root() -> Path | str:
@@ -333,7 +408,13 @@ class Store:
             if mirrored.exists() and mirrored.read_text() == text and not check(manifest, hashes):
                 return manifest, []
             # first use on this machine, a rebuilt remote artifact, or a damaged mirror
-            self.remote.fetch(local.name, local)
+            try:
+                self.remote.fetch(local.name, local)
+            except Exception as exc:     # fetch downloads into a temp folder, removed on failure
+                if not is_disk_full(exc):
+                    raise
+                raise disk_full(local, sum(e.bytes for e in manifest.files.values()),
+                                f"mirroring {self.url}/{local.name} into") from exc
             problems = [f"{p} at {self.url}" for p in check(manifest, hashes)]
             if not problems:
                 write_text_atomic(mirrored, text)   # last: the mirror is complete
@@ -380,14 +461,39 @@ class Store:
             shutil.rmtree(child) if child.is_dir() else child.unlink()
         return folder
 
+    def abandon(self, folder: Path, stage: str, keep: tuple[str, ...], exc: BaseException) -> DiskFull:
+        """After a build into `folder` ran out of space: its unfinished files removed (they
+        would only hold space; without a manifest no run reads them), except `keep`
+        (checkpoints a rerun resumes from); the one line to raise."""
+        written = 0
+        for child in list(folder.iterdir()) if folder.exists() else []:
+            if child.name in keep:
+                continue
+            written += folder_bytes(child) if child.is_dir() else child.stat().st_size
+            shutil.rmtree(child, ignore_errors=True) if child.is_dir() else child.unlink(missing_ok=True)
+        present = [k for k in keep if (folder / k).exists()]
+        kept = f"; kept {', '.join(present)} to resume from" if present else ""
+        if isinstance(exc, DiskFull):    # the write that failed named itself
+            return DiskFull(f"{exc} (stage {stage}: its unfinished files in {folder} were removed{kept})")
+        need = f"more than the {size_text(written)} it had written (removed{kept})" if written else f"more space{kept}"
+        return DiskFull(f"disk full: building stage {stage} in {folder} needs {need}, "
+                        f"{size_text(free_bytes(folder))} free there")
+
     def commit(self, manifest: Manifest) -> Manifest:
         """Publish a finished build: (remote: upload its files, then) the manifest, last.
         The file holds the folder relative to the root; the returned manifest the local one."""
         folder = Path(manifest.folder)
         text = manifest.model_copy(update={"folder": folder.name}).model_dump_json(indent=2)
         if self.remote is not None:
-            self.remote.upload(folder, folder.name)
-            self.remote.write_manifest(folder.name, text)
+            try:
+                self.remote.upload(folder, folder.name)
+                self.remote.write_manifest(folder.name, text)
+            except Exception as exc:     # the store is full, not this machine: say where
+                if not is_disk_full(exc):
+                    raise
+                raise DiskFull(f"disk full: uploading {folder} to {self.url}/{folder.name} needs about "
+                               f"{size_text(sum(e.bytes for e in manifest.files.values()))}: the store is out of "
+                               f"space") from exc
         write_text_atomic(folder / MANIFEST, text)
         return manifest
 

@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pipeline import interrupt, paths, pool_source, services
+from pipeline.errors import DiskFull
 from pipeline.grid import fmt, short_names
-from pipeline.store import Manifest
+from pipeline.store import Manifest, folder_bytes, is_disk_full, size_text
 
 EXPERIMENT = "ggpo-offline"
 EXPERIMENTS = {"offline": EXPERIMENT, "online": "ggpo-online"}
@@ -114,10 +115,23 @@ class Resilient:
             try:
                 return attr(*args, **kwargs)
             except Exception as exc:
+                if name.startswith("log_artifact") and is_disk_full(exc):
+                    raise self._artifact_disk_full(args) from exc
                 if not (unreachable(exc) and self._fall_back(exc)):
                     raise
                 return getattr(self._client, name)(*args, **kwargs)
         return call
+
+    def _artifact_disk_full(self, args: tuple) -> DiskFull:
+        """The one line for an artifact the tracking store's disk could not hold (its own
+        disk: a local store; the server's: ggpo's server or another). A rerun logs it again:
+        the stages behind it are cached."""
+        local = Path(args[1]) if len(args) > 1 else None
+        size = local.stat().st_size if local is not None and local.is_file() else (
+            folder_bytes(local) if local is not None and local.is_dir() else None)
+        return DiskFull(f"disk full: MLflow could not store artifact {local} (needs about {size_text(size)}) for run "
+                        f"{args[0] if args else '?'}: the artifact store of {self._client.tracking_uri} is out of "
+                        f"space")
 
     def _fall_back(self, exc: BaseException) -> bool:
         from mlflow import MlflowClient

@@ -58,12 +58,12 @@ import torch
 from pipeline import dag, interrupt
 from pipeline.config import PipelineConfig
 from pipeline.engines import Engine, make_engine
-from pipeline.errors import ConfigError, TrainingError
+from pipeline.errors import ConfigError, DiskFull, TrainingError
 from pipeline.gpu_memory import ModelShape, learner_setup, plan_sampler_memory
 from pipeline.hf import load_tokenizer
 from pipeline.runtime import Runtime, device_total_bytes, make_runtime, release_device_memory
 from pipeline.stage import run_stage
-from pipeline.store import Manifest, Store, model_path, write_text_atomic
+from pipeline.store import Manifest, Store, disk_full, is_disk_full, model_path, write_text_atomic
 from stages import online_policy, online_pool, online_train
 from stages.train import checkpoint, distributed
 from stages.train.loop import TrainState, new_state, reference_refreshed, resume, save_policy
@@ -178,10 +178,16 @@ def commit_checkpoint(cell: Cell, final: Path, state: dict | None, meta: dict) -
     """`state` (a snapshot; None: already in the temp folder) written, cell.json last, the
     folder renamed into place, the oldest beyond KEEP removed."""
     tmp = final.with_name(final.name + ".tmp")
-    if state is not None:
+    try:
+        if state is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            checkpoint.write_plain(tmp, state)
+        write_text_atomic(tmp / META, json.dumps(meta))
+    except Exception as exc:     # a full disk: the half-written round goes, the previous one stays
         shutil.rmtree(tmp, ignore_errors=True)
-        checkpoint.write_plain(tmp, state)
-    write_text_atomic(tmp / META, json.dumps(meta))
+        if is_disk_full(exc) and not isinstance(exc, DiskFull):
+            raise disk_full(final, checkpoint.state_bytes(state), "checkpointing into") from exc
+        raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for _, old, _ in checkpoints(cell.folder)[:-KEEP]:
@@ -205,6 +211,10 @@ def finish_writes(cell: Cell) -> None:
     if cell.writer is not None:
         cell.writer.join()
         error, cell.writer = cell.writer.error, None
+        if isinstance(error, DiskFull):     # its own line: the path, the space, and that it resumes
+            latest = checkpoints(cell.folder)
+            kept = f"the previous checkpoint {latest[-1][1]} is intact" if latest else "no earlier checkpoint"
+            raise DiskFull(f"online cell: {error}; {kept}") from error
         if error is not None:
             raise TrainingError(f"online cell: writing a checkpoint into {cell.folder / 'checkpoints'} failed: "
                                 f"{error}") from error

@@ -151,6 +151,8 @@ def test_every_error_the_project_raises_lives_in_errors_and_is_expected():
     (project_errors.RefillError("round: found 0 mixed-reward groups"),
      "round: found 0 mixed-reward groups"),
     (project_errors.PoolError("a.jsonl: row 3"), "a.jsonl: row 3 (fix the source"),
+    (project_errors.DiskFull("disk full: writing /c/latest.pt needs about 2.0 MiB, 0.1 MiB free there"),
+     "disk full: writing /c/latest.pt needs about 2.0 MiB, 0.1 MiB free there (free space"),
 ])
 def test_the_cli_maps_errors_by_type(exc, line):
     from pipeline.cli import expected_error

@@ -187,3 +187,49 @@ def test_stuck_worker_is_replaced_and_graded_results_are_kept():
         os.kill(stopped, 0)
     # 0-9 were graded before the stop and kept: the new pool graded at most the other 29
     assert 9 <= sum(info["graded"].values()) <= 29
+
+
+def _children() -> set[int]:
+    """Pids of this process's live (or unreaped) children, from /proc."""
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:      # gone since the listing
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+                kids.add(int(entry))
+    return kids
+
+
+def test_killed_worker_is_replaced_and_its_responses_regraded():
+    """The bad day (#25, 4): a grading worker killed with SIGKILL mid-batch (the OOM
+    killer, an operator). Its response in flight and the rest of its chunk are graded again
+    by a fresh pool: the verdicts equal an undisturbed run's (no `timeout` for the response
+    it died under: one death does not convict a response), and the killed worker and the
+    pool it was in leave no process behind, reaped ones included."""
+    from pipeline.grading import close_pool
+    responses, answers, _ = _batch(40)
+    responses[10], answers[10] = integral(6), ("1",)    # costs CPU: seen in flight, then killed
+    undisturbed = grade_many(responses, answers, 60.0, workers=2, chunk=20)
+    old_pids = pool_info()["pids"]
+    out = []
+    thread = threading.Thread(target=lambda: out.append(grade_many(responses, answers, 60.0, workers=2, chunk=20)))
+    thread.start()
+    killed, deadline = None, time.monotonic() + 60
+    while killed is None and time.monotonic() < deadline:
+        killed = next((pid for pid, (idx, _) in pool_info().get("inflight", {}).items() if idx == 10), None)
+        time.sleep(0.005)
+    assert killed is not None, "response 10 was never seen in flight"
+    os.kill(killed, signal.SIGKILL)
+    thread.join(timeout=180)
+    assert out, "grading did not finish after its worker was killed"
+    assert [g[:2] for g in out[0]] == [g[:2] for g in undisturbed]
+    assert out[0][10].status == "ok" and not out[0][10].retried
+    info = pool_info()
+    assert set(info["pids"]).isdisjoint(old_pids)                     # a fresh pool graded the rest
+    assert sum(info["graded"].values()) >= 1                          # ...at least response 10
+    assert _children().isdisjoint(old_pids)                           # none left, not even a zombie
+    close_pool()
+    assert _children().isdisjoint(info["pids"])

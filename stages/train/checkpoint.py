@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from pipeline.store import fsync_rename, write_text_atomic
+from pipeline.errors import DiskFull
+from pipeline.store import atomic_path, disk_full, is_disk_full, write_text_atomic
 from stages.train.distributed import after_checkpoint, current, is_sharded
 
 NAME = "latest.pt"
@@ -63,9 +64,21 @@ def snapshot(*, update: int, model, optimizer, reference, block_s: list[float] |
 def write_plain(folder: Path, state: dict) -> None:
     """`folder/latest.pt` from a one-process state, atomically (temp file, fsync, rename)."""
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{NAME}.tmp-{os.getpid()}"
-    torch.save(state, tmp)
-    fsync_rename(tmp, folder / NAME)
+    # into an open file, not a path: torch's own file writer reports a full disk as an
+    # opaque RuntimeError ("unexpected pos"), a Python file as OSError(ENOSPC)
+    with atomic_path(folder / NAME, lambda: state_bytes(state)) as tmp, open(tmp, "wb") as f:
+        torch.save(state, f)
+
+
+def state_bytes(obj) -> int:
+    """The bytes of the tensors in a checkpoint's state: about what its file needs."""
+    if torch.is_tensor(obj):
+        return obj.nelement() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_bytes(v) for v in obj)
+    return 0
 
 
 def _meta(update: int, reference, metrics: list[dict], lp_old: dict | None, block_s: list[float] | None) -> dict:
@@ -93,10 +106,16 @@ def _save_dcp(folder: Path, update: int, model, optimizer, meta: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)     # leftovers of a rank that died mid-save
     d.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    except Exception as exc:     # the pointer stays on the previous folder; this one's shards go
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc) and not isinstance(exc, DiskFull):
+            raise disk_full(tmp, state_bytes({"model": model_sd, "optim": optim_sd}), "checkpointing into") from exc
+        raise
     if d.is_main:
-        torch.save(meta, tmp / f".{META}.tmp")
-        fsync_rename(tmp / f".{META}.tmp", tmp / META)
+        with atomic_path(tmp / META, lambda: state_bytes(meta)) as part, open(part, "wb") as f:
+            torch.save(meta, f)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         write_text_atomic(folder / POINTER, json.dumps({"dir": name, "update": update}))

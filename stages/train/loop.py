@@ -25,10 +25,11 @@ from transformers import PreTrainedModel
 
 from pipeline import interrupt
 from pipeline.config import PipelineConfig, TrainConfig
-from pipeline.errors import NonFiniteUpdate
+from pipeline.errors import DiskFull, NonFiniteUpdate
 from pipeline.hf import load_model
 from pipeline.progress import Progress
 from pipeline.runtime import Runtime, make_runtime
+from pipeline.store import disk_full, is_disk_full
 from stages.train import checkpoint, distributed
 from stages.train.diagnostics import micro_batch_stats, normalized_ess
 from stages.train.losses import LossInputs, get_loss
@@ -194,8 +195,14 @@ def save_policy(model, tokenizer, final: Path) -> None:
     if distributed.is_sharded(model):      # gathered on every rank (collective), rank 0 writes
         distributed.save_sharded_policy(model, tokenizer, tmp, final)
         return
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    except Exception as exc:     # a full disk: the half-written folder goes, `final` stays as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc) and not isinstance(exc, DiskFull):
+            raise disk_full(final, checkpoint.state_bytes(model.state_dict())) from exc
+        raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
 
