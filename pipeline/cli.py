@@ -566,6 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)   # one line per Prefect API call otherwise
+    # multiprocessing's resource tracker (a process of its own, started with this environment)
+    # warns at exit about a named semaphore already unlinked by its pool: two lines of noise
+    # after a finished run, nothing lost (seen when a run ends right after a server outage)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
     try:
         return COMMANDS[args.cmd](args)
     except Exception as exc:

@@ -8,6 +8,8 @@ keeps its traceback.
 """
 from __future__ import annotations
 
+import errno
+
 
 class ExpectedError(Exception):
     """A failure the user can act on; its message is the whole story (no traceback)."""
@@ -87,6 +89,25 @@ class Interrupted(ExpectedError):
 class ParseError(ValueError):
     """Internal to the countdown verifier: an answer that does not parse (graded parse_error,
     never shown to the user as an error)."""
+
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# how libraries that wrap the OS error say it (safetensors' Rust writer, an MLflow server's reply)
+NO_SPACE_WORDS = ("No space left on device", "Disk quota exceeded")
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether `exc`, or an exception it was raised from or while handling, is a full disk
+    or quota: errno ENOSPC/EDQUOT, or a wrapper whose message says so."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
+            return True
+        if any(w in str(exc) for w in NO_SPACE_WORDS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 # the benchmark files eval.benchmarks may name (pipeline/benchmarks.py reads them)

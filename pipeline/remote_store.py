@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 
 from pipeline import paths
-from pipeline.errors import StoreError
+from pipeline.errors import StoreError, is_disk_full
 
 OPTIONS_ENV = "GGPO_CACHE_OPTIONS"
 STAGING_ENV = "GGPO_STAGING"
@@ -149,7 +149,6 @@ class Remote:
         except StoreError:
             raise
         except Exception as exc:
-            from pipeline.store import is_disk_full  # here: pipeline.store imports this module
             if is_disk_full(exc):       # a full disk, not a store that cannot be reached: the caller names it
                 raise
             raise StoreError(describe(exc, self.url)) from exc
@@ -187,7 +186,6 @@ class Remote:
             shutil.rmtree(local, ignore_errors=True)
             os.replace(tmp, local)
         except OSError as exc:
-            from pipeline.store import is_disk_full
             if not local.is_dir() or is_disk_full(exc):
                 raise
             # another process on this machine mirrored the same artifact first: use its copy

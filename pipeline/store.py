@@ -31,7 +31,6 @@ place, as before. `check_store` opens the store before any work (one line if it 
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import logging
@@ -45,7 +44,7 @@ from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel
 
-from pipeline.errors import DamagedArtifact, DiskFull, StoreError
+from pipeline.errors import DamagedArtifact, DiskFull, StoreError, is_disk_full
 from pipeline.remote_store import Remote, check_remote, is_url, mirror_root
 
 CACHE_ENV = "GGPO_CACHE"
@@ -218,25 +217,6 @@ def fsync_rename(tmp: Path, final: Path) -> None:
 # complete, so a disk that fills mid-write leaves the previous file (manifest, checkpoint,
 # report) as it was; the temporary is removed, and the failure becomes one line (DiskFull)
 # naming the path and the space the write needed.
-
-NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
-# how libraries that wrap the OS error say it (safetensors' Rust writer, an MLflow server's reply)
-NO_SPACE_WORDS = ("No space left on device", "Disk quota exceeded")
-
-
-def is_disk_full(exc: BaseException | None) -> bool:
-    """Whether `exc`, or an exception it was raised from or while handling, is a full disk
-    or quota: errno ENOSPC/EDQUOT, or a wrapper whose message says so."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in NO_SPACE:
-            return True
-        if any(w in str(exc) for w in NO_SPACE_WORDS):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
 
 def size_text(n: int | None) -> str:
     """Bytes for a message: "12 bytes", "3.4 KiB", "6.2 MiB", "1.5 GiB"."""
