@@ -3,10 +3,13 @@ the service ports are private to the test session (free ports, so the suite pass
 a user's `ggpo up` holds 4200 and 5000)."""
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -182,3 +185,30 @@ def logit_scale(base_manifest, pool):
 def store(tmp_path):
     from pipeline.store import Store
     return Store(tmp_path / "cache")
+
+
+# ---- a user's shell with servers of its own (the bad-day tests kill them)
+
+def api(base: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(f"{base}{path}", method="POST" if body is not None else "GET",
+                                 data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture
+def shell(tmp_path, base_manifest):
+    """A user's shell with its own servers (free ports) and the session's cache (the base
+    model built once)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    env |= {"GGPO_HOME": str(tmp_path / "home"), "GGPO_PREFECT_PORT": str(free_port()),
+            "GGPO_MLFLOW_PORT": str(free_port())}
+    up = subprocess.run([str(BIN / "ggpo"), "up"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert up.returncode == 0, up.stdout + up.stderr
+    yield env
+    subprocess.run([str(BIN / "ggpo"), "down"], cwd=REPO, env=env, capture_output=True, timeout=120)
+
+
+def state(env: dict) -> dict:
+    return json.loads((Path(env["GGPO_HOME"]) / "services.json").read_text())

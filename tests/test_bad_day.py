@@ -6,48 +6,20 @@ so in one line, exits 0, and once `ggpo up` brings the server back the UI shows 
 complete: every training metric, its runs FINISHED."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO, free_port
+from conftest import BIN, REPO, api, state
 
 pytestmark = pytest.mark.servers
 
 UPDATES = 48
 SETS = ["experiment.seeds=[11]", "experiment.methods=[grpo]", f"train.updates={UPDATES}", "train.eval_every=null",
         "train.checkpoint_every=4"]
-
-
-def api(base: str, path: str, body: dict | None = None) -> dict:
-    req = urllib.request.Request(f"{base}{path}", method="POST" if body is not None else "GET",
-                                 data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
-
-
-@pytest.fixture
-def shell(tmp_path, base_manifest):
-    """A user's shell with its own servers (free ports) and the session's cache (the base
-    model built once)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
-    env |= {"GGPO_HOME": str(tmp_path / "home"), "GGPO_PREFECT_PORT": str(free_port()),
-            "GGPO_MLFLOW_PORT": str(free_port())}
-    up = subprocess.run([str(BIN / "ggpo"), "up"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert up.returncode == 0, up.stdout + up.stderr
-    yield env
-    subprocess.run([str(BIN / "ggpo"), "down"], cwd=REPO, env=env, capture_output=True, timeout=120)
-
-
-def state(env: dict) -> dict:
-    return json.loads((Path(env["GGPO_HOME"]) / "services.json").read_text())
 
 
 def test_mlflow_server_dying_mid_training_costs_one_warning(shell):

@@ -15,42 +15,16 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port
+from conftest import REPO, api, state
 
 GGPO = [sys.executable, "-m", "pipeline.cli"]
 UPDATES = 48
 SETS = ["experiment.seeds=[12]", "experiment.methods=[grpo]", f"train.updates={UPDATES}", "train.eval_every=null",
         "train.checkpoint_every=4"]
-
-
-def api(base: str, path: str, body: dict | None = None):
-    req = urllib.request.Request(f"{base}{path}", method="POST" if body is not None else "GET",
-                                 data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())
-
-
-def state(env: dict) -> dict:
-    return json.loads((Path(env["GGPO_HOME"]) / "services.json").read_text())
-
-
-@pytest.fixture
-def shell(tmp_path, base_manifest):
-    """A user's shell with its own servers (free ports) and the session's cache (the base
-    model built once)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
-    env |= {"GGPO_HOME": str(tmp_path / "home"), "GGPO_PREFECT_PORT": str(free_port()),
-            "GGPO_MLFLOW_PORT": str(free_port())}
-    up = subprocess.run(GGPO + ["up"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert up.returncode == 0, up.stdout + up.stderr
-    yield env
-    subprocess.run(GGPO + ["down"], cwd=REPO, env=env, capture_output=True, timeout=120)
 
 
 def newest_file(*folders: Path) -> float:
