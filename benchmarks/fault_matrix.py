@@ -78,7 +78,8 @@ class Flow:
     preset: str
     sets: tuple[str, ...]
     checkpoint: str     # glob under the cache: the first training checkpoint (the fault point)
-    resumed: re.Pattern
+    resumed: re.Pattern     # what a resumed run logs, with a number
+    resumed_from: Callable[[int], str]      # the checkpoint that number says it resumed from
 
     def argv(self) -> list[str]:
         return ["run", self.name, "--preset", self.preset] + [a for s in self.sets for a in ("--set", s)]
@@ -89,12 +90,12 @@ FLOWS = {
     # and the report to run after the fault
     "offline": Flow("offline", "smoke", ("experiment.methods=[grpo]", "train.updates=16", "train.checkpoint_every=1"),
                     "train-*/checkpoints/latest.pt",
-                    re.compile(r"resuming after update (\d+)")),
+                    re.compile(r"resuming after update (\d+)"), "update {}".format),
     # 3 rounds of N = 2 updates, a rolling checkpoint after each: round 0's leaves two rounds
     "online": Flow("online", "smoke-online", ("experiment.methods=[grpo]", "train.updates=6", "train.eval_every=null",
                                               "online.checkpoint_every=1"),
                    "online_cell-*/checkpoints/round-000000/cell.json",
-                   re.compile(r"rounds \(([1-9]\d*) from a checkpoint")),
+                   re.compile(r"rounds \(([1-9]\d*) from a checkpoint"), lambda k: f"round {k - 1}"),
 }
 
 
@@ -203,7 +204,7 @@ class Shell:
 
 class Run:
     """One `ggpo run` in the background, its stdout and stderr in files (never a pipe that
-    could fill and stall it)."""
+    could fill and stall it); a thread of its own notes the moment it exits."""
 
     def __init__(self, argv: list[str], env: dict[str, str], folder: Path, tag: str):
         folder.mkdir(parents=True, exist_ok=True)
@@ -212,18 +213,23 @@ class Run:
             self.proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=out, stderr=err)
         self.started = time.monotonic()
         self.ended: float | None = None
+        self._waiter = threading.Thread(target=self._wait, daemon=True, name=f"wait-{tag}")
+        self._waiter.start()
+
+    def _wait(self) -> None:
+        self.proc.wait()
+        self.ended = time.monotonic()
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.ended is None
 
     def wait(self) -> int:
-        try:
-            code = self.proc.wait(timeout=RUN_BOUND_S)
-        except subprocess.TimeoutExpired:
+        self._waiter.join(timeout=RUN_BOUND_S)
+        if self._waiter.is_alive():
             self.proc.kill()
-            code = self.proc.wait()
-        self.ended = time.monotonic()
-        return code
+            self._waiter.join()
+        assert self.proc.returncode is not None
+        return self.proc.returncode
 
     def stderr(self) -> str:
         return self.err_path.read_text(errors="replace")
@@ -431,7 +437,7 @@ class Cell:
         self.settle()
         found = self.flow.resumed.search(o.rerun_stderr)
         if found:
-            o.notes.append(f"rerun resumed ({found.group(0)})")
+            o.notes.append(f"rerun resumed from the checkpoint of {self.flow.resumed_from(int(found.group(1)))}")
 
     def compare(self, baseline: dict[str, str] | None) -> None:
         o = self.outcome
@@ -632,6 +638,12 @@ def machine() -> str:
     return f"{len(os.sched_getaffinity(0))} cores of {model}, {mem:.0f} GiB, {platform.system()} {platform.release()}"
 
 
+def measured_on(t0: float, load0: float) -> str:
+    """Where and how (seconds since t0, load average then and now) the table was measured."""
+    return (f"Measured on {machine()} in {time.monotonic() - t0:.0f} s ({time.strftime('%Y-%m-%d')}; two flows "
+            f"at a time; load average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end).")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", default=",".join(FAULTS))
@@ -643,7 +655,7 @@ def main() -> None:
     os.environ["GGPO_CACHE"] = str(work / "cache")
     from pipeline.config import load_config
     from stages import base
-    t0 = time.monotonic()
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
     base_folder = Path(base.run(load_config("smoke")).folder)
     shell = Shell(work / "home", work / "cache")
     shell.up()
@@ -654,8 +666,7 @@ def main() -> None:
             outcomes += list(matrix.run(fault).values())
     finally:
         shell.down()
-    text = (f"{table(outcomes)}\n\nMeasured on {machine()} in {time.monotonic() - t0:.0f} s "
-            f"({time.strftime('%Y-%m-%d')}; two flows at a time).")
+    text = f"{table(outcomes)}\n\n{measured_on(t0, load0)}"
     print(text)
     for o in outcomes:
         for line in o.warnings + o.rerun_warnings:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ EXIT_BOUND_S = 300.0      # from the fault to the exit: generous, this machine's
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, base_manifest):
+    t0, load0 = time.monotonic(), os.getloadavg()[0]
     work = tmp_path_factory.mktemp("fault-matrix")
     shell = fm.Shell(work / "home", Path(os.environ["GGPO_CACHE"]))
     shell.up()
@@ -43,7 +45,7 @@ def matrix(tmp_path_factory, base_manifest):
         shell.down()
         out = os.environ.get("GGPO_FAULT_MATRIX_OUT")
         if out:
-            Path(out).write_text(fm.table(collected(m)) + f"\n\nMeasured on {fm.machine()}.\n")
+            Path(out).write_text(f"{fm.table(collected(m))}\n\n{fm.measured_on(t0, load0)}\n")
 
 
 def collected(m: fm.Matrix) -> list[fm.Outcome]:
