@@ -11,12 +11,13 @@ import textwrap
 import polars as pl
 import pytest
 
-from conftest import BIN, REPO
 from pipeline import dag, methods
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from pipeline.store import Store
 from stages.train.losses import LOSSES, get_loss
+
+from conftest import BIN, REPO
 
 
 def test_losses_are_keyed_as_the_method_table():
@@ -106,8 +107,8 @@ def test_a_toy_method_registered_by_a_plugin_trains_through_the_cli(plugin, base
 
 
 def test_a_pool_without_what_a_method_needs_is_refused_in_one_line(plugin, tmp_path, pool):
-    from stages.train.loop import load_pool
     from pipeline.errors import TrainingError
+    from stages.train.loop import load_pool
     path = tmp_path / "pool.parquet"
     pl.read_parquet(pool[2].path("train_pool")).with_columns(pl.lit(None).alias("behavior_logprobs")).write_parquet(path)
     tc = load_config("smoke", ["train.method=toy_beh"]).train
