@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from pipeline import dag, grading, interrupt, online_report, orchestration, paths, pool_source, report, services, stage, tracking
 from pipeline.config import PRESET_DIR, load_config, parse_overrides, preset_names
 from pipeline.errors import BenchmarkError, ConfigError, DatasetError, DiskFull, ExpectedError, NonFiniteUpdate, PoolError
+from pipeline.methods import METHODS
 from pipeline.store import Store, gc_plan, verify_all
 
 
@@ -400,7 +401,8 @@ def cmd_pool(args) -> int:
     code = run_one_stage("pool_import", cfg, args, inputs_of=built_inputs)
     sets = " ".join(f"--set '{k}={v if isinstance(v, str) else json.dumps(v)}'" for k, v in pool.items() if v != {})
     if not pool_source.load(cfg.pool).has_behavior:     # what trains without behavior log-probs
-        sets += " --set 'experiment.methods=[\"grpo\",\"agro\",\"ggpo\"]' --set train.anchor=old"
+        trainable = [m.name for m in METHODS.values() if not m.needs_behavior("old")]
+        sets += f" --set 'experiment.methods={json.dumps(trainable, separators=(',', ':'))}' --set train.anchor=old"
     print(f"train on it: ggpo stage train --preset {args.preset} {sets} --set train.method=ggpo\n"
           f"         or: ggpo run offline --preset {args.preset} {sets}")
     return code

@@ -3,18 +3,19 @@
 A run's config is `defaults <- preset file <- --set overrides`. Each stage declares the
 sections it reads; only those sections enter its cache key, so changing `train.lr`
 reruns training and evaluation but reuses the pool. Defaults are the paper's where the
-spec (../shared/spec/algorithms.md section 11) gives one; the tiny preset scales the
-geometry down for a 2-core CPU.
+paper gives one (docs/math.md lists them); the tiny preset scales the geometry down
+for a 2-core CPU. What each training method needs is pipeline/methods.py.
 """
 from __future__ import annotations
 
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline import methods
 from pipeline.errors import BENCHMARKS, ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -103,7 +104,7 @@ class FilterConfig(Section):
 
 
 class TrainConfig(Section):
-    method: Literal["grpo", "grpo_tis", "agro", "ggpo"] = "grpo"
+    method: str = "grpo"      # a name in pipeline/methods.py's METHODS (plugins included)
     updates: int = Field(400, ge=1)
     groups_per_update: int = Field(32, ge=1)   # G_mb
     updates_per_step: int = Field(8, ge=1)     # N
@@ -120,8 +121,8 @@ class TrainConfig(Section):
     eps_adv: float = 1e-6
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     anchor: Literal["behavior", "old"] = "behavior"   # spec 13 item 4
-    # reference refresh every t_ref updates; "fixed" = never; "default" = spec section 7
-    # per method (GRPO and GRPO+TIS fixed, AGRO and GGPO 160)
+    # reference refresh every t_ref updates; "fixed" = never; "default" = the method's
+    # default_t_ref (pipeline/methods.py: GRPO and GRPO+TIS fixed, AGRO and GGPO 160)
     t_ref: int | Literal["fixed", "default"] = "default"
     micro_batch_groups: int = Field(8, ge=1)
     # token budget per micro-batch (prompt + response tokens, padded); whole groups are
@@ -155,26 +156,37 @@ class TrainConfig(Section):
     # process computes; bfloat16 = FSDP's bf16 parameters (less traffic, bf16 residual stream)
     fsdp_param_dtype: Literal["float32", "bfloat16"] = "float32"
 
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, value: str) -> str:
+        methods.get(value)          # ValueError: "train.method: unknown 'x'; known: ..."
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
-        if self.method in ("agro", "ggpo") and self.beta <= 0:
+        entry = self.method_entry()
+        if entry.needs_beta and self.beta <= 0:
             raise ValueError(f"train.beta must be > 0 for {self.method} (it divides by beta), got {self.beta}")
         if isinstance(self.t_ref, int) and self.t_ref < 1:
             raise ValueError(f"train.t_ref must be >= 1, 'fixed' or 'default', got {self.t_ref}")
-        if self.ggpo_clip_delta is not None and self.method != "ggpo":
-            raise ValueError("train.ggpo_clip_delta applies to method 'ggpo' only")
+        if self.ggpo_clip_delta is not None and not entry.clip_delta:
+            clipped = [m.name for m in methods.METHODS.values() if m.clip_delta]
+            raise ValueError(f"train.ggpo_clip_delta applies to method {' or '.join(map(repr, clipped))} only")
         return self
+
+    def method_entry(self) -> methods.Method:
+        """The record of `method` (pipeline/methods.py)."""
+        return methods.get(self.method)
 
     def refresh_every(self) -> int | None:
         """Updates between reference refreshes; None = fixed reference."""
         if self.t_ref == "default":
-            return DEFAULT_T_REF[self.method]
+            return self.method_entry().default_t_ref
         return None if self.t_ref == "fixed" else self.t_ref
 
     def needs_step_anchor(self) -> bool:
-        """lp_old at step starts: GRPO+TIS, the clipped GGPO variant, GRPO anchored at old."""
-        return (self.method == "grpo_tis" or self.ggpo_clip_delta is not None
-                or (self.method == "grpo" and self.anchor == "old"))
+        """lp_old at step starts (the method's record, train.anchor, train.ggpo_clip_delta)."""
+        return self.method_entry().needs_step_anchor(self.anchor, self.ggpo_clip_delta)
 
     def snapshot_updates(self) -> list[int]:
         """Updates after which the policy is saved for evaluation (not the final one)."""
@@ -196,10 +208,8 @@ class TrainConfig(Section):
         return points + ([stop] if 0 < stop < self.updates and stop not in points else [])
 
     def needs_behavior_logprobs(self) -> bool:
-        return self.method == "grpo_tis" or (self.method == "grpo" and self.anchor == "behavior")
-
-
-DEFAULT_T_REF: dict[str, int | None] = {"grpo": None, "grpo_tis": None, "agro": 160, "ggpo": 160}
+        """Behavior log-probs (the method's record and train.anchor)."""
+        return self.method_entry().needs_behavior(self.anchor)
 
 
 class ExperimentConfig(Section):
@@ -227,12 +237,13 @@ class ExperimentConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":
-        known = list(METHODS) + [v for v in self.variants if v not in METHODS]
+        names = methods.names()
+        known = list(names) + [v for v in self.variants if v not in names]
         unknown = [m for m in self.methods if m not in known]
         if unknown:
             raise ValueError(f"experiment.methods: unknown {unknown}; known: {', '.join(known)} "
                              f"(define others in experiment.variants)")
-        clash = [v for v in self.variants if v in METHODS]
+        clash = [v for v in self.variants if v in names]
         if clash:
             raise ValueError(f"experiment.variants: {clash} are method names; name the variant otherwise")
         for field, values in self.grid.items():
@@ -244,7 +255,6 @@ class ExperimentConfig(Section):
         return self
 
 
-METHODS = get_args(TrainConfig.model_fields["method"].annotation)
 # what each flow stage sets itself
 FLOW_FIELDS = ("train.method", "eval.target", "eval.update", "online.round")
 

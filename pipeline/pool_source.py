@@ -35,6 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from pipeline import methods
 from pipeline.config import PoolConfig, TrainConfig
 from pipeline.errors import PoolError
 from pipeline.paths import project_file
@@ -372,7 +373,10 @@ def load(pc: PoolConfig) -> Source:
 def behavior_refusal(tc: TrainConfig, source: str) -> str:
     """Why a method that needs behavior log-probs cannot train on a pool without them and
     what to do: preflight says it before any work, the train stage if a pool slips through."""
-    what = "GRPO+TIS" if tc.method == "grpo_tis" else "GRPO with train.anchor=behavior"
+    entry = tc.method_entry()
+    what = entry.title if entry.needs_lp_beh else f"{entry.title} with train.anchor={tc.anchor}"
+    others = [m.name for m in methods.METHODS.values() if not m.needs_lp_beh and not m.uses_anchor]
+    anchored = [f"{m.name} with train.anchor=old" for m in methods.METHODS.values() if m.uses_anchor and not m.needs_lp_beh]
     return (f"train.method={tc.method}: {what} needs behavior log-probs and the pool from {source} has none; "
             f"record some with `ggpo stage score --model PATH` (pool.score_model=PATH in a flow; they are then "
-            f"the scoring model's, not the sampler's), or train ggpo, agro or grpo with train.anchor=old")
+            f"the scoring model's, not the sampler's), or train {', '.join(others[:-1] + [' or '.join(others[-1:] + anchored)])}")

@@ -3,8 +3,8 @@
 Saved as an ordinary HF folder (config.json, model.safetensors, tokenizer.json), so it
 loads with AutoModelForCausalLM / AutoTokenizer and with vLLM. The tokenizer is a
 `tokenizers` BPE model with no merges over 96 characters (printable ASCII and newline)
-plus pad/bos/eos/unk: every character is one token. Sizes from ../shared/tiny-model-notes.md
-(hidden 128, 2 layers: ~0.54 M parameters, 0.12 s per SFT step at batch 64).
+plus pad/bos/eos/unk: every character is one token. Sizes: docs/measurements.md, The tiny
+model (hidden 128, 2 layers: ~0.54 M parameters, 0.12 s per SFT step at batch 64).
 """
 from __future__ import annotations
 

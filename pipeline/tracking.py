@@ -8,7 +8,7 @@ in its flow's experiment.
 Runs are addressed by id through `MlflowClient`, never through mlflow's thread-local
 active-run stack, because Prefect may run tasks in worker threads. Per-update metrics
 are sent with `log_batch` (<= 1,000 per call): one call at a time costs ~27 ms each on
-SQLite (../shared/platform-notes.md).
+SQLite (docs/measurements.md, Tracking).
 
 Tracking URI: $MLFLOW_TRACKING_URI if set (a remote server works unchanged), else the
 local server of `ggpo up` if it answers, else the SQLite file it uses. Artifacts of the

@@ -8,7 +8,7 @@ supervised learning on fresh task problems (never eval problems): token cross-en
 `sft_check_every` steps it samples `check_samples` answers (T = 1) for `check_prompts`
 training prompts and stops once the sampled accuracy reaches `target_accuracy`: the model
 is then uncertain rather than wrong (greedy above sampled), which is the room RL needs
-(../shared/tiny-model-notes.md). The SFT target is a correct response (for countdown a random
+(docs/measurements.md, The tiny model). The SFT target is a correct response (for countdown a random
 one of many per problem, tasks.sft_stream, so the warm-up teaches variety). The summary
 reports, for the check prompts with GROUP_CHECK = 8 samples each at T = 1, what RL will see:
 mean@8, the share of mixed groups, and the mean number of distinct correct responses per

@@ -55,7 +55,7 @@ def train_round(st: TrainState, cfg: PipelineConfig, inputs: dict[str, Manifest]
     `after_update(u)` runs after each (the cell saves evaluation policies there)."""
     tc, pool_m = cfg.train, inputs["pool"]
     first, stop = check(cfg, inputs, st.update)
-    pool = load_pool(pool_m.path("train_pool"), cfg.rollout.group_size, tc.needs_behavior_logprobs())
+    pool = load_pool(pool_m.path("train_pool"), cfg.rollout.group_size, tc)
     g, st.rows = tc.groups_per_update, []
     run_updates(st, pool, cfg, tokenizer, None, stop, lambda u: list(range((u - first) * g, (u - first + 1) * g)),
                 lambda u: list(range(len(pool.group_ids))), rt,

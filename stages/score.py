@@ -57,7 +57,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         raise ConfigError(f"pool.score_model={cfg.pool.score_model}: its tokenizer is not the one the pool was "
                           "tokenized with (the base model's); score with a model of the same tokenizer")
     pool_path, m = source.path("train_pool"), cfg.rollout.group_size
-    pool = load_pool(pool_path, m, need_behavior=False)
+    pool = load_pool(pool_path, m)
     rt = make_runtime(cfg.train)
     model = rt.prepare(load_model(path)).eval()
     check_token_ids(pool, model.config.vocab_size, f"pool.score_model={cfg.pool.score_model}")

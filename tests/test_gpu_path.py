@@ -230,7 +230,7 @@ def test_top_p_below_one_is_refused_where_behavior_logprobs_matter():
 
 
 def test_paper_preset_rollout_runs_on_cpu_past_its_training_file(base_manifest):
-    """The qwen3-1.7b preset from the shipped data (no ../shared), with the tiny model and CPU
+    """The qwen3-1.7b preset from the shipped data (nothing outside the project), with the tiny model and CPU
     settings: the MATH train file loads, its 2 answerless rows are skipped and counted."""
     import subprocess
 

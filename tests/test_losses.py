@@ -1,4 +1,4 @@
-"""Losses and diagnostics against ../shared/spec/algorithms.md section 12 (float64)."""
+"""Losses and diagnostics against docs/math.md section 12: its golden values (float64)."""
 import pytest
 import torch
 

@@ -67,10 +67,15 @@ def test_pool_without_behavior_logprobs(tmp_path, pool):
                              .otherwise(pl.col("behavior_logprobs")).alias("behavior_logprobs"))
     path = tmp_path / "pool.parquet"
     broken.write_parquet(path)
-    with pytest.raises(TrainingError, match=r"pool\.parquet: row \(group \d+, sample 3\) has no behavior_logprobs"):
-        loop.load_pool(path, 8, need_behavior=True)
-    loaded = loop.load_pool(path, 8, need_behavior=False)        # AGRO / GGPO never read them
-    assert len(loaded.lp_beh[0][3]) == len(loaded.responses[0][3])
+    for method in ("grpo_tis", "grpo"):       # importance weights; the behavior anchor
+        with pytest.raises(TrainingError, match=rf"pool\.parquet: column behavior_logprobs is empty in row \(group \d+, "
+                                                rf"sample 3\) and 0 more, but train.method={method} \(.*\) reads it$"):
+            loop.load_pool(path, 8, load_config("smoke", [f"train.method={method}"]).train)
+    for sets in (["train.method=ggpo"], ["train.method=agro"], ["train.method=grpo", "train.anchor=old"]):
+        loaded = loop.load_pool(path, 8, load_config("smoke", sets).train)     # never read them
+        assert loaded.lp_beh is None and not loaded.has_behavior              # and never get zeros
+        with pytest.raises(TrainingError, match="no behavior log-probs"):
+            loaded.behavior(0)
     assert load_config("smoke", ["train.method=grpo_tis"]).train.needs_behavior_logprobs()
     assert not load_config("smoke", ["train.method=ggpo"]).train.needs_behavior_logprobs()
 

@@ -10,7 +10,7 @@ tokens (EOS included when sampled), the sampled token's log-prob and the decoded
 Choices, and why:
 - `logprobs_mode="processed_logprobs"`: the recorded log-prob is taken after temperature
   scaling, matching the trainer's softmax(logits / temperature) when top_p = 1 (the default
-  `raw_logprobs` would bias every importance ratio; ../shared/gpu-scale-notes.md section 3).
+  `raw_logprobs` would bias every importance ratio; docs/math.md section 1: all log-probs at tau).
 - `generation_config="vllm"` and every sampling field explicit: a model folder's
   generation_config.json (top_k, repetition_penalty, max_new_tokens cap) never leaks in.
 - Prompts go in as token ids from `self.tokenizer`, so the pool's prompt_token_ids are

@@ -44,7 +44,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     check(cfg, inputs["pool"])
     base_path = model_path(inputs["base"])
     tokenizer = load_tokenizer(base_path)
-    pool = load_pool(inputs["pool"].path("train_pool"), cfg.rollout.group_size, cfg.train.needs_behavior_logprobs())
+    pool = load_pool(inputs["pool"].path("train_pool"), cfg.rollout.group_size, cfg.train)
     if distributed.wanted(cfg.train):     # torchrun, FSDP2 ranks running the same loop
         rows, reference = torchrun.launch(cfg, base_path, inputs["pool"].path("train_pool"), folder), {}
     else:

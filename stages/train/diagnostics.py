@@ -46,8 +46,12 @@ def micro_batch_stats(inp: LossInputs, beta: float) -> dict[str, torch.Tensor]:
     ratios s_i (`seq_log_ratio`, [G * m]) for the block ESS."""
     # in float64: rho - 1 - log rho of a near-1 ratio cancels to fp32 noise (~1e-7 a token)
     # in fp32, which would hide a mismatch as small as an engine's KV-cache rounding
-    lp, lp_beh, mask = inp.lp.detach().double(), inp.lp_beh.double(), inp.mask.double()
-    log_rho = torch.clamp(lp - lp_beh, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)   # the losses' guard
+    lp, mask = inp.lp.detach().double(), inp.mask.double()
+    lp_beh = None if inp.lp_beh is None else inp.lp_beh.double()
+    if lp_beh is None:      # no behavior policy: placeholders, which the trainer reports as None
+        log_rho = torch.zeros_like(lp)
+    else:
+        log_rho = torch.clamp(lp - lp_beh, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)   # the losses' guard
     k3 = torch.exp(log_rho) - 1.0 - log_rho
     detached = LossInputs(lp=lp, lp_beh=lp_beh, lp_ref=inp.lp_ref.double(), mask=mask, rewards=inp.rewards,
                           t_tot=inp.t_tot, n_seq_tot=inp.n_seq_tot)

@@ -109,7 +109,8 @@ def micro_batch_loss(model, reference, pool: Pool, groups: list[int], tc: TrainC
     def stacked(rows: list[torch.Tensor]) -> torch.Tensor:
         return stack_groups(rows, shape[2], rt.device, lp.dtype)
     lp_ref = ref_cache.get(reference, pool, groups, pad_id, rt, temperature, policy_logprobs)
-    inputs = LossInputs(lp=lp.view(shape), lp_beh=stacked([pool.behavior(g) for g in groups]),
+    lp_beh = stacked([pool.behavior(g) for g in groups]) if pool.has_behavior else None
+    inputs = LossInputs(lp=lp.view(shape), lp_beh=lp_beh,
                         lp_ref=stacked(lp_ref), mask=b.mask.view(shape).to(rt.device),
                         rewards=pool.rewards[groups].to(rt.device, torch.float32),
                         t_tot=float(t_tot), n_seq_tot=n_seq,
@@ -155,7 +156,7 @@ def run_update(model, reference, pool: Pool, groups: list[int], cfg: PipelineCon
             "success_ess": row.pop("success_ess_sum", 0.0) / count if count else None, "grad_norm": norm,
             "reward": sum(pool.reward_means[g] for g in groups) / len(groups), "response_length": t_tot / n_seq,
             "tokens": t_tot}
-    if not pool.has_behavior:     # computed against zeros, not a behavior policy: left empty, not faked
+    if not pool.has_behavior:     # no behavior policy to compare with: left empty, not faked
         row |= dict.fromkeys(BEHAVIOR_DIAGNOSTICS)
     return row
 

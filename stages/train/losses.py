@@ -1,7 +1,7 @@
 """Training losses: pure functions `fn(inputs, cfg) -> (loss, metrics)` and a registry.
 
-Math: ../shared/spec/algorithms.md. Tensors are [G, m, T]: G groups of m responses to one
-prompt, T padded response tokens. Aggregation is token-mean over the whole optimizer
+Math: docs/math.md ("spec N" below is its section N). Tensors are [G, m, T]: G groups of m
+responses to one prompt, T padded response tokens. Aggregation is token-mean over the whole optimizer
 update (spec section 1): `sum(mask * loss_tok) / T_tot`, with T_tot the update's global
 token count, so micro-batches sum to the update's loss exactly. Every metric a loss
 returns is a detached 0-dim tensor on the loss's device, additive over micro-batches for
@@ -9,12 +9,14 @@ the same reason (diagnostics.py has the rest): the trainer reads them once per u
 """
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 
+from pipeline import methods
 from pipeline.config import TrainConfig
 
 Tensor = torch.Tensor
@@ -23,7 +25,7 @@ Tensor = torch.Tensor
 @dataclass
 class LossInputs:
     lp: Tensor                 # [G, m, T] learner log-probs of sampled tokens (with grad)
-    lp_beh: Tensor             # [G, m, T] behavior log-probs recorded by the engine
+    lp_beh: Tensor | None      # [G, m, T] behavior log-probs recorded by the engine; None: the pool has none
     lp_ref: Tensor             # [G, m, T] reference policy log-probs
     mask: Tensor               # [G, m, T] 1 on response tokens (incl. EOS), 0 on padding
     rewards: Tensor            # [G, m] verifiable rewards
@@ -83,7 +85,7 @@ def grpo_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, Tens
     beta * K3 to the reference, differentiated pathwise."""
     anchor = inp.lp_beh if cfg.anchor == "behavior" else inp.lp_old
     if anchor is None:
-        raise ValueError("grpo with train.anchor='old' needs lp_old")
+        raise ValueError(f"grpo with train.anchor='{cfg.anchor}' needs {'lp_beh' if cfg.anchor == 'behavior' else 'lp_old'}")
     adv = group_advantages(inp.rewards, cfg.eps_adv)[..., None]           # [G, m, 1]
     pg, clipped = ppo_clipped_pg(adv, inp.lp - anchor, cfg)
     k3 = k3_to_reference(inp.lp, inp.lp_ref)
@@ -101,8 +103,8 @@ def grpo_tis_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, 
     """GRPO + truncated importance sampling (spec section 3): PPO ratio against lp_old,
     each token's PG term times w = min(exp(lp_old - lp_beh), C), detached and one-sided;
     the K3 term is not reweighted."""
-    if inp.lp_old is None:
-        raise ValueError("grpo_tis needs lp_old (the step-start recompute)")
+    if inp.lp_old is None or inp.lp_beh is None:
+        raise ValueError("grpo_tis needs lp_old (the step-start recompute) and lp_beh")
     adv = group_advantages(inp.rewards, cfg.eps_adv)[..., None]
     pg, clipped = ppo_clipped_pg(adv, inp.lp - inp.lp_old, cfg)
     log_w = (inp.lp_old - inp.lp_beh).detach()
@@ -188,10 +190,17 @@ def ggpo_clipped_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[s
 
 
 LossFn = Callable[[LossInputs, TrainConfig], tuple[Tensor, dict[str, Tensor]]]
+# the built-in methods' losses, keyed as pipeline/methods.py's METHODS (tests/test_methods.py
+# checks that each entry's `loss` names the function here)
 LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "grpo_tis": grpo_tis_loss, "agro": agro_loss, "ggpo": ggpo_loss}
 
 
 def get_loss(method: str) -> LossFn:
-    if method not in LOSSES:
-        raise ValueError(f"unknown train.method '{method}'; known: {', '.join(sorted(LOSSES))}")
-    return LOSSES[method]
+    """The loss of train.method `method`: its METHODS entry's "module:function"."""
+    if method in LOSSES:
+        return LOSSES[method]
+    module, _, name = methods.get(method).loss.partition(":")
+    fn = getattr(importlib.import_module(module), name, None)
+    if not callable(fn):
+        raise ValueError(f"train.method '{method}': loss '{module}:{name}' is not a function")
+    return cast(LossFn, fn)

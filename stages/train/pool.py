@@ -29,12 +29,12 @@ class Pool:
     group_ids: list[int]
     prompt_ids: list[list[int]]
     responses: list[list[list[int]]]     # [n_groups][m][len]
-    lp_beh: list[list[list[float]]]      # [n_groups][m][len]
+    # [n_groups][m][len]; None for a pool without behavior log-probs (an imported one): the
+    # methods that read them are refused at load, and the diagnostics that compare the learner
+    # with the behavior policy (K3, |log rho|, ESS) are None. Never filled in
+    lp_beh: list[list[list[float]]] | None
     rewards: torch.Tensor                # [n_groups, m] float64
     group_size: int
-    # False for a pool without behavior log-probs (an imported one): lp_beh holds zeros, so the
-    # diagnostics that compare the learner with the behavior policy (K3, |log rho|, ESS) are None
-    has_behavior: bool = True
     _behavior: dict = field(default_factory=dict, repr=False)    # group -> [m, T_g] tensor
     # mean reward per group, host floats: the trainer's reward metric reads no tensor
     reward_means: list[float] = field(init=False, repr=False)
@@ -42,8 +42,14 @@ class Pool:
     def __post_init__(self) -> None:
         self.reward_means = [sum(r) / len(r) for r in self.rewards.tolist()]
 
+    @property
+    def has_behavior(self) -> bool:
+        return self.lp_beh is not None
+
     def behavior(self, g: int) -> torch.Tensor:
         """Group g's behavior log-probs as an [m, T_g] float32 tensor (built once)."""
+        if self.lp_beh is None:
+            raise TrainingError("this pool has no behavior log-probs")
         if g not in self._behavior:
             self._behavior[g] = padded_rows(self.lp_beh[g])
         return self._behavior[g]
@@ -53,23 +59,26 @@ class Pool:
         return self.group_size * len(self.prompt_ids[g]) + sum(len(r) for r in self.responses[g])
 
 
-def load_pool(path: Path, group_size: int, need_behavior: bool = True) -> Pool:
+def load_pool(path: Path, group_size: int, tc: TrainConfig | None = None) -> Pool:
+    """The pool for training `tc` (None: read it whole, behavior log-probs where every row
+    has them). A pool missing behavior log-probs that `tc`'s method reads is refused in one
+    line naming the file, the column and the method; for other methods a pool missing
+    them in any row loads without them (lp_beh None), never with a stand-in."""
     df = pl.read_parquet(path).sort(["group", "sample"])
     if df.height == 0:
         raise TrainingError(f"{path}: the training pool is empty (no mixed-reward groups)")
     missing = df.filter(pl.col("behavior_logprobs").is_null())
-    if missing.height and need_behavior:
-        raise TrainingError(f"{path}: row (group {missing['group'][0]}, sample {missing['sample'][0]}) has no "
-                            "behavior_logprobs, which this method needs (GRPO's behavior anchor, GRPO+TIS)")
-    if missing.height:   # AGRO / GGPO never read lp_beh; the mismatch diagnostics become None (has_behavior)
-        df = df.with_columns(pl.when(pl.col("behavior_logprobs").is_null())
-                             .then(pl.col("response_token_ids").list.eval(pl.element() * 0.0))
-                             .otherwise(pl.col("behavior_logprobs")).alias("behavior_logprobs"))
-    df = _guard_behavior_logprobs(df, path)
-    bad = df.filter(pl.col("behavior_logprobs").list.len() != pl.col("response_token_ids").list.len())
-    if bad.height:
-        raise TrainingError(f"{path}: row (group {bad['group'][0]}, sample {bad['sample'][0]}) has "
-                            "behavior_logprobs of a different length than its response")
+    if missing.height and tc is not None and tc.needs_behavior_logprobs():
+        raise TrainingError(f"{path}: column behavior_logprobs is empty in row (group {missing['group'][0]}, sample "
+                            f"{missing['sample'][0]}) and {missing.height - 1} more, but train.method={tc.method} "
+                            f"({_why_behavior(tc)}) reads it")
+    has_behavior = missing.height == 0
+    if has_behavior:
+        df = _guard_behavior_logprobs(df, path)
+        bad = df.filter(pl.col("behavior_logprobs").list.len() != pl.col("response_token_ids").list.len())
+        if bad.height:
+            raise TrainingError(f"{path}: row (group {bad['group'][0]}, sample {bad['sample'][0]}) has "
+                                "behavior_logprobs of a different length than its response")
     sizes = df.group_by("group").len().filter(pl.col("len") != group_size)
     if sizes.height:
         raise TrainingError(f"{path}: group {sizes['group'][0]} has {sizes['len'][0]} responses but "
@@ -79,9 +88,14 @@ def load_pool(path: Path, group_size: int, need_behavior: bool = True) -> Pool:
     return Pool(
         group_ids=df["group"].to_list()[::m], prompt_ids=prm[::m],
         responses=[resp[j * m:(j + 1) * m] for j in range(n)],
-        lp_beh=[lpb[j * m:(j + 1) * m] for j in range(n)],
-        rewards=torch.tensor(df["reward"].to_list(), dtype=torch.float64).view(n, m), group_size=m,
-        has_behavior=missing.height == 0)
+        lp_beh=[lpb[j * m:(j + 1) * m] for j in range(n)] if has_behavior else None,
+        rewards=torch.tensor(df["reward"].to_list(), dtype=torch.float64).view(n, m), group_size=m)
+
+
+def _why_behavior(tc: TrainConfig) -> str:
+    """Why `tc`'s method reads behavior log-probs, from its METHODS entry."""
+    entry = tc.method_entry()
+    return "its importance weights" if entry.needs_lp_beh else f"its ratio anchor, train.anchor={tc.anchor}"
 
 
 # A behavior log-prob of -inf (a token the engine gave zero probability, e.g. under

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     """One rank: the single-process loop with the rank context set up first."""
     args, cfg, d = rank_setup("stages.train.torchrun", ("--config", "--base", "--pool", "--folder"), argv)
     try:
-        pool = load_pool(Path(args.pool), cfg.rollout.group_size, cfg.train.needs_behavior_logprobs())
+        pool = load_pool(Path(args.pool), cfg.rollout.group_size, cfg.train)
         train(cfg, pool, args.base, load_tokenizer(args.base), Path(args.folder))
         d.barrier()
     finally:
