@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline import dag
+from pipeline import dag, tracking
 from pipeline.config import load_config
 from pipeline.hf import load_model, load_tokenizer
 from pipeline.runtime import make_runtime
@@ -99,6 +99,8 @@ def test_a_cell_records_its_drift_and_the_guard_warns_stops_or_stays_off(tmp_pat
     assert all(d > 0 for d in ends["round_drift"]) and all(d > 0 for d in ends["round_drift_seq"])
     record = store.load("online_train", dag.online_keys(cfg, 2)["online_train"])
     assert record.summary["round_drift"] == ends["round_drift"][-1]
+    logged = [(k, v, step) for k, v, step in tracking.training_curves(record) if k.startswith("train/round_drift")]
+    assert logged == [("train/round_drift", ends["round_drift"][-1], 6), ("train/round_drift_seq", ends["round_drift_seq"][-1], 6)]
 
     caplog.clear()
     warn = cfg.updated({"online.max_round_drift": 1e-9})
