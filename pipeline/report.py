@@ -55,11 +55,11 @@ def cell(mean: float, std: float | None) -> str:
 
 
 def number(mean: float | None, std: float | None) -> str:
-    """A diagnostic as text: '0.5812 ± 0.0312' (4 significant digits), the mean alone with
-    one seed (std None) and '' where the run has no such value."""
+    """A diagnostic as text: '0.5812 ± 0.031' (the mean to 4 significant digits, its spread
+    to 2), the mean alone with one seed (std None) and '' where the run has no such value."""
     if mean is None or math.isnan(mean):
         return ""
-    return f"{mean:.4g}" if std is None or math.isnan(std) else f"{mean:.4g} ± {std:.4g}"
+    return f"{mean:.4g}" if std is None or math.isnan(std) else f"{mean:.4g} ± {std:.2g}"
 
 
 def over_seeds(per_seed: pl.DataFrame, ids: list[str], values: list[str]) -> pl.DataFrame:

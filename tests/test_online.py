@@ -260,9 +260,9 @@ def test_report_diagnostics_and_drift_are_mean_and_sample_std_over_seeds(tmp_pat
             assert row[col] == pytest.approx(np.mean(values), rel=1e-12)
             assert row[f"{col}_std"] == pytest.approx(np.std(values, ddof=1), rel=1e-12)
         assert row["seeds"] == 3 and row["success_ess"] is None
-        assert f"{row['k3_mismatch']:.4g} ± {row['k3_mismatch_std']:.4g}" in table
+        assert f"{row['k3_mismatch']:.4g} ± {row['k3_mismatch_std']:.2g}" in table
         mx = per_seed(method, "round_drift", np.max)
-        assert f"| {np.mean(mx):.4g} ± {np.std(mx, ddof=1):.4g} |" in table
+        assert f"| {np.mean(mx):.4g} ± {np.std(mx, ddof=1):.2g} |" in table
         r2 = drift.filter((pl.col("method") == method) & (pl.col("round") == 2)).row(0, named=True)
         at = [r["round_drift"] for r in curves if r["method"] == method and r["update"] == 6]
         assert r2["update"] == 6 and r2["round_drift"] == pytest.approx(np.mean(at), rel=1e-12)

@@ -82,7 +82,7 @@ def test_offline_diagnostics_are_mean_and_sample_std_over_seeds(tmp_path):
     paths = report.write(evals(), curves, tmp_path, "mean@8")
     md = paths["markdown"].read_text()
     g = diag.filter(pl.col("method") == "ggpo").row(0, named=True)
-    assert f"| ggpo | 3 | {g['abs_log_ratio']:.4g} ± {g['abs_log_ratio_std']:.4g} |" in md
+    assert f"| ggpo | 3 | {g['abs_log_ratio']:.4g} ± {g['abs_log_ratio_std']:.2g} |" in md
     assert pl.read_csv(paths["diagnostics"]).columns[:3] == ["method", *report.DIAGNOSTICS[:2]]
     one = report.markdown_diagnostics(report.diagnostics(curves.filter(pl.col("seed") == 42)), list(report.DIAGNOSTICS), "t")
     assert "±" not in one and "| grpo | 1 |" in one
