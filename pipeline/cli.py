@@ -497,7 +497,7 @@ def cmd_report(args) -> int:
     if flow == "online":
         evals, curves, timings = online_report.from_cache(cfg, Store())
     else:
-        evals, _, timings = report.from_cache(cfg, Store())
+        evals, curves, timings = report.from_cache(cfg, Store())
     print_timings(args.preset, timings)
     if not evals.height:
         print("nothing evaluated yet for this experiment: run it with "
@@ -509,6 +509,9 @@ def cmd_report(args) -> int:
         print(table)
     else:
         print(report.markdown(report.summarize(evals), f"mean@{cfg.eval.n_samples}"))
+        diag = report.diagnostics(curves)
+        if diag.height:
+            print(report.markdown_diagnostics(diag, list(report.DIAGNOSTICS), report.DIAGNOSTICS_TITLE))
     print(f"MLflow: {tracking.tracking_uri()} (experiment {tracking.EXPERIMENTS[flow]})")
     return 0
 

@@ -307,6 +307,13 @@ class OnlineConfig(Section):
     # the comparison, not a reason to lose the other cells); "error" fails the cell. Round 0
     # (pi_0) always fails: then the task does not fit the model. Not in a key
     on_stall: Literal["stop", "error"] = "stop"
+    # a bound on each round's learner-to-behavior drift at its end (`round_drift`: token mean
+    # |log ratio| of the learner after the round's N updates against the round's behavior
+    # log-probs, stages/train/drift.py); None = no guard. A round above it: on_drift "warn"
+    # logs one line and goes on; "stop" ends the cell after that round, as on_stall does (its
+    # policy there is the cell's final, the report marks the stop). Not in a key
+    max_round_drift: float | None = Field(None, gt=0)
+    on_drift: Literal["warn", "stop"] = "warn"
 
     # rounds between an online cell's rolling checkpoints (the last 2 are kept, and one at the
     # end); "auto": every ceil(16 / N) rounds, about one per 16 updates: at the paper's scale

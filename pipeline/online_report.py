@@ -16,7 +16,12 @@ seeds; ± is the sample std (ddof 1) where there is more than one seed.
   per cell (and against N in the figure): K3, sequence ESS, the mean sequence log ratio to
   the reference `mean_ell` and the entropy (seed Table 7's two rows, there over the last
   800 of 8,000 updates), the within-success ESS of the GGPO weights `success_ess` (seed
-  Figure 9; groups with at least two successes, at the cell's beta) and response length.
+  Figure 9; groups with at least two successes, at the cell's beta), response length, and
+  the learner-to-behavior drift at the rounds' ends `round_drift` / `round_drift_seq`
+  (token mean |log ratio| / response mean |log sequence weight|, stages/train/drift.py);
+  each mean ± sample std over seeds of the per-seed averages.
+- drift.md/csv: the drift at every round's end, per cell (mean ± std over seeds per round in
+  the CSV; first, mean, max and last round in the table), and in figure1.png.
 """
 from __future__ import annotations
 
@@ -28,11 +33,13 @@ import polars as pl
 
 from pipeline import dag, grid, tracking
 from pipeline.config import PipelineConfig
-from pipeline.report import cell as fmt_cell
+from pipeline.report import cell as fmt_cell, last_quarter, markdown_diagnostics, over_seeds
+from pipeline.schemas import DRIFT_COLUMNS as DRIFT
 from pipeline.store import write_file_atomic, write_text_atomic
 
 KEYS = ("method", "cell", "N", "t_ref")
-DIAGNOSTICS = ("k3_mismatch", "ess", "mean_ell", "entropy", "success_ess", "response_length")
+DIAGNOSTICS = ("k3_mismatch", "ess", "mean_ell", "entropy", "success_ess", "response_length", "round_drift",
+               "round_drift_seq")
 
 
 def columns(cell: grid.Cell, cfg: PipelineConfig) -> dict[str, Any]:
@@ -105,7 +112,8 @@ def _agg(frame: pl.DataFrame, by: list[str], value: str = "accuracy") -> pl.Data
 
 def stopped_mark(update: int, full: int) -> str:
     """Beside a final accuracy: where a cell stopped early (online.on_stall: a round that
-    could not fill its pool), so a collapse reads as one."""
+    could not fill its pool; online.on_drift: a round that drifted past the bound), so a
+    collapse reads as one."""
     return f" (stopped at update {update})" if update < full else ""
 
 
@@ -150,12 +158,40 @@ def line_label(frame: pl.DataFrame) -> pl.Expr:
 
 
 def diagnostics(curves: pl.DataFrame) -> pl.DataFrame:
-    """Spec-9 diagnostics averaged over the last quarter of each run's updates (Figure 7)."""
-    last = curves.filter(pl.col("update") > pl.col("update").max().over("cell") * 3 / 4)
-    ids = identity(curves)
-    return (last.group_by(ids + ["seed"], maintain_order=True)
-            .agg(*[pl.col(d).drop_nulls().mean() for d in DIAGNOSTICS])
-            .group_by(ids, maintain_order=True).agg(*[pl.col(d).mean() for d in DIAGNOSTICS]))
+    """Spec-9 diagnostics and the round drift averaged over the last quarter of each run's
+    updates (Figure 7), then mean, `<name>_std` (sample std) and `seeds` over seeds."""
+    return last_quarter(curves, identity(curves), list(DIAGNOSTICS))
+
+
+DRIFT_TITLE = ("Learner-to-behavior drift at each round's end (round_drift: token mean |log ratio| after the "
+               "round's N updates; its first round, mean and max over rounds, last round; mean ± sample std over "
+               "seeds; every round in drift.csv)")
+
+
+def with_drift(curves: pl.DataFrame) -> pl.DataFrame:
+    """`curves` with the drift columns and `round` (None where absent: records written before
+    the drift existed, hand-made frames)."""
+    missing = [pl.lit(None, pl.Float64).alias(c) for c in DRIFT if c not in curves.columns]
+    return curves.with_columns(*missing, *([pl.lit(None, pl.Int32).alias("round")] if "round" not in curves.columns else []))
+
+
+def drift_rounds(curves: pl.DataFrame) -> pl.DataFrame:
+    """The drift at each round's end: one row per cell and round (its last update), the
+    mean and `_std` over seeds of round_drift and round_drift_seq."""
+    present = with_drift(curves)
+    ends = present.filter(pl.col("update") == pl.col("update").max().over("cell", "seed", "round"))
+    return over_seeds(ends.sort("round", maintain_order=True), identity(curves) + ["round", "update"], list(DRIFT))
+
+
+def drift_summary(curves: pl.DataFrame) -> pl.DataFrame:
+    """Per cell: round_drift of its first round, mean and max over its rounds and of its last
+    round, each per seed and then mean and `_std` over seeds."""
+    present = with_drift(curves)
+    ids, d = identity(curves), pl.col("round_drift").drop_nulls()
+    per_seed = present.sort("update", maintain_order=True).group_by(ids + ["seed"], maintain_order=True).agg(
+        pl.col("round").max() + 1, d.first().alias("first"), d.mean().alias("mean"), d.max().alias("max"),
+        d.last().alias("last"))
+    return over_seeds(per_seed, ids, ["round", "first", "mean", "max", "last"]).rename({"round": "rounds", "round_std": "rounds_std"})
 
 
 def markdown_final(evals: pl.DataFrame, metric: str) -> str:
@@ -171,14 +207,9 @@ def markdown_final(evals: pl.DataFrame, metric: str) -> str:
     if cast(int, agg["update"].min()) < full:
         lines += ["", f"A cell whose update is below {full} stopped there: a round after it could not fill its pool "
                       "with mixed-reward groups within online.max_draws (its policy solved or failed nearly every "
-                      "prompt; online.on_stall = stop), and its policy at that update is its final."]
-    return "\n".join(lines) + "\n"
-
-
-def markdown_frame(frame: pl.DataFrame, title: str) -> str:
-    lines = [title, "", "| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
-    for r in frame.iter_rows():
-        lines.append("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r) + " |")
+                      "prompt; online.on_stall = stop), or the round ending there left online.max_round_drift "
+                      "(online.on_drift = stop; its round_drift in drift.csv), and its policy at that update is its "
+                      "final."]
     return "\n".join(lines) + "\n"
 
 
@@ -198,8 +229,10 @@ def figures(evals: pl.DataFrame, curves: pl.DataFrame, diag: pl.DataFrame, folde
     spend = curves.select("cell", "seed", "update", "responses_generated")
     acc_spend = trained.join(spend, on=["cell", "seed", "update"], how="left")
     paths = []
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4))
+    drift = curves if "round_drift" in curves.columns else curves.with_columns(round_drift=pl.lit(None, pl.Float64))
     for ax, (frame, y, name) in zip(axes, ((curves, "k3_mismatch", "K3 behavior-learner"), (curves, "entropy", "entropy"),
+                                           (drift, "round_drift", "drift at round ends (token mean |log ratio|)"),
                                            (evals, "accuracy", "accuracy"))):
         _lines(ax, frame, "update", y)
         ax.set(xlabel="update", title=name)
@@ -249,11 +282,15 @@ def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) 
             write_file_atomic(folder / f"{name}.csv", table[1].write_csv)
             paths.append(folder / f"{name}.csv")
     diag = diagnostics(curves)
-    parts.append(markdown_frame(diag.drop([c for c in diag.columns if c.count(".")] or []),
-                                "Diagnostics over the last quarter of updates (seed means)"))
+    parts.append(markdown_diagnostics(diag.drop([c for c in diag.columns if c.count(".")] or []), list(DIAGNOSTICS),
+                                      "Diagnostics over the last quarter of updates (mean ± sample std over seeds)"))
+    drift = drift_summary(curves)
+    parts.append(markdown_diagnostics(drift.drop([c for c in drift.columns if c.count(".")] or []),
+                                      ["rounds", "first", "mean", "max", "last"], DRIFT_TITLE))
     write_file_atomic(folder / "diagnostics.csv", diag.write_csv)
+    write_file_atomic(folder / "drift.csv", drift_rounds(curves).write_csv)
     write_file_atomic(folder / "curves.csv", curves.write_csv)
-    paths += [folder / "diagnostics.csv", folder / "curves.csv"] + figures(evals, curves, diag, folder)
+    paths += [folder / "diagnostics.csv", folder / "drift.csv", folder / "curves.csv"] + figures(evals, curves, diag, folder)
     markdown = "\n".join(parts)
     write_text_atomic(folder / "report.md", markdown)
     return markdown, [folder / "report.md"] + paths

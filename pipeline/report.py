@@ -1,9 +1,12 @@
 """The comparison report (seed Table 5 / Figure 4 forms).
 
 Table: accuracy (mean@n on the eval split) per method per evaluated update, as
-mean ± sample std (ddof = 1) over seeds; update 0 is the shared base policy. Figure:
-accuracy, token-mean |log ratio| learner/behavior, normalized sequence ESS and grad norm
-against updates, one line per method (seed means).
+mean ± sample std (ddof = 1) over seeds; update 0 is the shared base policy. Diagnostics
+table: each run's spec-9 diagnostics averaged over the last quarter of its updates, then
+mean ± sample std over seeds; `abs_log_ratio` (token mean |log pi_theta - log pi_beh|) is
+the learner's drift from the pool's policy. One seed: no ±. Figure: accuracy, token-mean
+|log ratio| learner/behavior, normalized sequence ESS and grad norm against updates, one
+line per method (seed means).
 """
 from __future__ import annotations
 
@@ -15,11 +18,14 @@ import polars as pl
 from pipeline import dag, grid
 from pipeline.store import write_file_atomic, write_text_atomic
 
+# the offline diagnostics table's columns (TRAIN_METRICS), drift from the pool first
+DIAGNOSTICS = ("abs_log_ratio", "k3_mismatch", "ess", "mean_ell", "entropy", "success_ess", "grad_norm")
+
 
 def training_curves(trained, method: str, seed: int, cell: str | None = None) -> pl.DataFrame:
-    """The figure's per-update series of one training manifest, labelled by method and seed
-    (and by its grid cell's label, when the experiment has a grid)."""
-    curves = (pl.read_parquet(trained.path("metrics"), columns=["update", "abs_log_ratio", "ess", "grad_norm"])
+    """The figure's and the diagnostics table's per-update series of one training manifest,
+    labelled by method and seed (and by its grid cell's label, when the experiment has a grid)."""
+    curves = (pl.read_parquet(trained.path("metrics"), columns=["update", *DIAGNOSTICS])
               .with_columns(pl.lit(method).alias("method"), pl.lit(seed).alias("seed")))
     return curves if cell is None else curves.with_columns(pl.lit(cell).alias("cell"))
 
@@ -46,6 +52,49 @@ def cell(mean: float, std: float | None) -> str:
     if std is None or math.isnan(std):
         return f"{100 * mean:.2f}"
     return f"{100 * mean:.2f} ± {100 * std:.2f}"
+
+
+def number(mean: float | None, std: float | None) -> str:
+    """A diagnostic as text: '0.5812 ± 0.031' (the mean to 4 significant digits, its spread
+    to 2), the mean alone with one seed (std None) and '' where the run has no such value."""
+    if mean is None or math.isnan(mean):
+        return ""
+    return f"{mean:.4g}" if std is None or math.isnan(std) else f"{mean:.4g} ± {std:.2g}"
+
+
+def over_seeds(per_seed: pl.DataFrame, ids: list[str], values: list[str]) -> pl.DataFrame:
+    """One row per (ids, seed) -> one row per ids: each value's mean over seeds, its sample
+    std (ddof 1; None with one seed) as `<value>_std`, and the number of seeds."""
+    return per_seed.group_by(ids, maintain_order=True).agg(
+        *[pl.col(v).mean() for v in values], *[pl.col(v).std(ddof=1).alias(f"{v}_std") for v in values],
+        pl.len().alias("seeds"))
+
+
+def last_quarter(curves: pl.DataFrame, ids: list[str], values: list[str]) -> pl.DataFrame:
+    """Each run's (ids, seed) values averaged over its updates after 3/4 of the largest
+    update of its cell (None where the run has none); then over_seeds."""
+    present = curves.with_columns(*[pl.lit(None, pl.Float64).alias(v) for v in values if v not in curves.columns])
+    last = present.filter(pl.col("update") > pl.col("update").max().over(ids) * 3 / 4)
+    per_seed = last.group_by(ids + ["seed"], maintain_order=True).agg(*[pl.col(v).drop_nulls().mean() for v in values])
+    return over_seeds(per_seed, ids, values)
+
+
+def diagnostics(curves: pl.DataFrame) -> pl.DataFrame:
+    """The offline runs' diagnostics (DIAGNOSTICS) over the last quarter of their updates,
+    mean and `_std` over seeds, one row per cell (or method)."""
+    if not curves.height:        # nothing trained yet (`ggpo report` on a partly built experiment)
+        return pl.DataFrame()
+    return last_quarter(curves, [label_column(curves)], list(DIAGNOSTICS))
+
+
+def markdown_diagnostics(diag: pl.DataFrame, values: list[str], title: str) -> str:
+    """A diagnostics frame (over_seeds columns) as Markdown: the ids, seeds, 'mean ± std'."""
+    ids = [c for c in diag.columns if c not in values and not c.endswith("_std") and c != "seeds"]
+    lines = [title, "", "| " + " | ".join(ids + ["seeds"] + values) + " |", "|" + "---|" * (len(ids) + 1 + len(values))]
+    for r in diag.iter_rows(named=True):
+        lines.append("| " + " | ".join([str(r[c]) for c in ids + ["seeds"]] + [number(r[v], r[f"{v}_std"]) for v in values])
+                     + " |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(summary: pl.DataFrame, metric: str) -> str:
@@ -86,14 +135,23 @@ def figure(evals: pl.DataFrame, curves: pl.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
+DIAGNOSTICS_TITLE = ("Diagnostics over the last quarter of updates (mean ± sample std over seeds; abs_log_ratio: "
+                     "drift from the pool's policy, token mean |log ratio|)")
+
+
 def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) -> dict[str, Path]:
-    """report.md, report.csv, curves.png in `folder`; returns their paths."""
+    """report.md (accuracy and diagnostics tables), report.csv, diagnostics.csv, curves.png
+    in `folder`; returns their paths."""
     folder.mkdir(parents=True, exist_ok=True)
     summary = summarize(evals)
-    paths = {"markdown": folder / "report.md", "csv": folder / "report.csv", "figure": folder / "curves.png"}
+    diag = diagnostics(curves)
+    paths = {"markdown": folder / "report.md", "csv": folder / "report.csv", "diagnostics": folder / "diagnostics.csv",
+             "figure": folder / "curves.png"}
     # each file written whole or not at all (a full disk leaves the previous report)
-    write_text_atomic(paths["markdown"], markdown(summary, metric))
+    write_text_atomic(paths["markdown"], markdown(summary, metric) + (
+        "\n" + markdown_diagnostics(diag, list(DIAGNOSTICS), DIAGNOSTICS_TITLE) if diag.height else ""))
     write_file_atomic(paths["csv"], summary.write_csv)
+    write_file_atomic(paths["diagnostics"], diag.write_csv)
     figure(evals, curves, paths["figure"])
     return paths
 

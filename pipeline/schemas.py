@@ -60,11 +60,14 @@ TRAIN_METRICS = pa.schema([
 
 # the online loop's rows (stage online_train): the offline columns, the largest |log rho|
 # (behavior vs learner) of the update, its round, its staleness j (the j-th update of a
-# step is j updates stale) and what was generated up to its round (paper Figure 2)
+# step is j updates stale), what was generated up to its round (paper Figure 2) and, on the
+# round's last row only, the learner-to-behavior drift at its end (stages/train/drift.py)
 ONLINE_METRICS = pa.schema(list(TRAIN_METRICS) + [
     ("max_abs_log_ratio", pa.float64()), ("round", pa.int32()), ("staleness", pa.int32()),
     ("prompts_drawn", pa.int64()), ("responses_generated", pa.int64()),
+    ("round_drift", pa.float64()), ("round_drift_seq", pa.float64()),
 ])
+DRIFT_COLUMNS = ("round_drift", "round_drift_seq")
 
 EVAL_SAMPLES = pa.schema([
     ("benchmark", pa.string()), ("prompt_id", pa.string()), ("sample", pa.int32()), ("reward", pa.float64()),

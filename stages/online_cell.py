@@ -18,7 +18,11 @@ update index, ESS block: stages/train/loop.TrainState) and one sampler engine, b
 A stall (a round after the first that cannot fill its pool in online.max_draws draws: the
 learner now solves or fails nearly every prompt) ends the cell with online.on_stall = stop:
 the learner after its last full round is kept as an online_policy and evaluated as the
-cell's final. One process only (under torchrun a stall fails the cell).
+cell's final. One process only (under torchrun a stall fails the cell). The drift guard
+(online.max_round_drift) checks each round's learner-to-behavior drift at its end
+(stages/train/drift.py): above the bound it warns in one line (online.on_drift = warn) or
+ends the cell after that round (stop), the learner after it kept as the cell's final, like
+a stall.
 
 Replay is resume: a killed cell restarts from its latest checkpoint and trains on the
 cached pools of the rounds after it without sampling them again (the pools are the log),
@@ -62,6 +66,7 @@ from pipeline.errors import ConfigError, DiskFull, TrainingError
 from pipeline.gpu_memory import ModelShape, learner_setup, plan_sampler_memory
 from pipeline.hf import load_tokenizer
 from pipeline.runtime import Runtime, device_total_bytes, make_runtime, release_device_memory
+from pipeline.schemas import DRIFT_COLUMNS
 from pipeline.stage import run_stage
 from pipeline.store import Manifest, Store, disk_full, is_disk_full, model_path, write_text_atomic
 from stages import online_policy, online_pool, online_train
@@ -92,6 +97,7 @@ class Cell:
     writer: Writer | None = None    # the checkpoint write in flight (one process)
     waits: Any = None               # under torchrun: the CPU group the ranks wait on (wait_group)
     sampler_share: float | None = None     # a vLLM sampler's gpu_memory_utilization (sampler_share)
+    drift: dict = field(default_factory=dict)      # the last round's drift at its end (drift.DRIFT_COLUMNS)
     counts: dict = field(default_factory=lambda: {"engine_starts": 0, "rounds_sampled": 0, "rounds_replayed": 0,
                                                   "rounds_skipped": 0, "checkpoints_written": 0})
 
@@ -374,6 +380,7 @@ def one_round(cell: Cell, st: TrainState, r: int, prev: Manifest | None) -> tupl
         if u in points and not has_policy(cell, u):
             save_policy(st.model, cell.tokenizer, pending(cell, u))
     rows = online_train.train_round(st, cfg_r, inputs, cell.tokenizer, cell.rt, after_update)
+    cell.drift = {k: rows[-1].get(k) for k in DRIFT_COLUMNS}     # measured now, also when the record is cached
     trained = record_round(cell, cfg_r, inputs, rows)
     keep_policies(cell, r, trained)
     return pool, trained
@@ -433,6 +440,9 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
                 save_cell_checkpoint(cell, r, st)
             if on_round is not None and cell.main:
                 on_round(r, pool, prev)
+            stalled = drift_guard(cell, st, r, prev, rounds)
+            if stalled is not None:
+                break
     except interrupt.Interrupted:
         finish_writes(cell)
         found = latest_checkpoint(cell)
@@ -444,11 +454,11 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
         finish_writes(cell)       # a stopped cell still completes its last checkpoint
     shutil.rmtree(cell.folder / "pending", ignore_errors=True)
     log.info("online cell %s seed %d: %d rounds (%d from a checkpoint, %d replayed from cached pools, %d sampled), "
-             "%d engine start(s), %d checkpoint(s) in %.1fs", tc.method, cfg.seed, stalled["round"] if stalled else rounds,
+             "%d engine start(s), %d checkpoint(s) in %.1fs", tc.method, cfg.seed, rounds_done(stalled, rounds),
              cell.counts["rounds_skipped"],
              cell.counts["rounds_replayed"], cell.counts["rounds_sampled"], cell.counts["engine_starts"],
              cell.counts["checkpoints_written"], time.perf_counter() - t0)
-    return cell.counts | {"rounds": stalled["round"] if stalled else rounds, "update": st.update,
+    return cell.counts | {"rounds": rounds_done(stalled, rounds), "update": st.update,
                           "folder": str(cell.folder), "final_round": prev.key if prev else None,
                           "stalled": stalled}
 
@@ -464,7 +474,41 @@ def stop_at_stall(cell: Cell, st: TrainState, r: int, prev: Manifest, exc: Excep
         run_stage(spec, cell.cfg.updated({"eval.update": at}), {"round": prev}, cell.store)
     log.warning("online cell %s seed %d stopped after update %d of %d (online.on_stall=stop): %s",
                 cell.cfg.train.method, cell.cfg.seed, at, cell.cfg.train.updates, exc)
-    return {"round": r, "update": at, "reason": str(exc)}
+    return {"round": r, "update": at, "reason": str(exc), "cause": "stall"}
+
+
+def rounds_done(stopped: dict | None, rounds: int) -> int:
+    """Rounds a cell finished: all, or up to its stop (a stall's round did not run; the
+    round whose drift stopped the cell did)."""
+    if stopped is None:
+        return rounds
+    return stopped["round"] + (stopped["cause"] == "drift")
+
+
+def drift_guard(cell: Cell, st: TrainState, r: int, prev: Manifest, rounds: int) -> dict | None:
+    """online.max_round_drift after round r: None to go on (no bound, within it, a warning,
+    or the last round anyway); else the stop, with the learner after round r kept as an
+    online_policy at its update (the cell's final, evaluated by the flow), as a stall keeps
+    its. Under torchrun a stop fails the cell in one line."""
+    oc, drift = cell.cfg.online, cell.drift.get("round_drift")
+    if oc.max_round_drift is None or drift is None or drift <= oc.max_round_drift:
+        return None
+    tc = cell.cfg.train
+    what = (f"online round {r} ({tc.method} seed {cell.cfg.seed}): learner-to-behavior drift {drift:.4g} (token mean "
+            f"|log ratio| after update {st.update}) is above online.max_round_drift = {oc.max_round_drift:g}")
+    if oc.on_drift == "warn" or r + 1 == rounds:
+        log.warning("%s (online.on_drift=%s)", what, oc.on_drift)
+        return None
+    if distributed.current() is not None:
+        raise TrainingError(f"{what}; online.on_drift=stop ends a cell in one process only")
+    at = st.update
+    if cell.main and not has_policy(cell, at):
+        save_policy(st.model, cell.tokenizer, pending(cell, at))
+        spec = replace(online_policy.SPEC, build=partial(online_policy.adopt, saved=pending(cell, at)))
+        run_stage(spec, cell.cfg.updated({"eval.update": at}), {"round": prev}, cell.store)
+    log.warning("online cell %s seed %d stopped after update %d of %d (online.on_drift=stop): %s",
+                tc.method, cell.cfg.seed, at, tc.updates, what)
+    return {"round": r, "update": at, "reason": what, "cause": "drift"}
 
 
 # --------------------------------------------------------------------------- torchrun

@@ -14,8 +14,11 @@ is the same round whatever the run's length, so a longer run reuses it) and `rol
 
 The updates are the offline loop's (stages/train/loop.py): same loss, micro-batches and
 diagnostics. Writes `metrics.parquet` (ONLINE_METRICS: the offline columns plus round,
-staleness j, max |log rho| and the cumulative prompts drawn and responses generated) and a
-summary that the next round's pool starts from (prompt cursor, cumulative counts).
+staleness j, max |log rho|, the cumulative prompts drawn and responses generated, and on
+the round's last row its learner-to-behavior drift, stages/train/drift.py) and a summary
+that the next round's pool starts from (prompt cursor, cumulative counts) and holds the
+drift. Records written before the drift existed lack it (the report shows it empty): the
+drift is a function of the round's key (its final weights and pool), so the key stays.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from pipeline.errors import ConfigError, TrainingError
 from pipeline.schemas import ONLINE_METRICS, write_parquet
 from pipeline.stage import Built, StageSpec
 from pipeline.store import Manifest
+from stages.train.drift import drift_sample, round_drift
 from stages.train.loop import TrainState, load_pool, run_updates
 
 # what a round's key does not depend on (the run's length, evaluation and checkpoint schedules)
@@ -61,8 +65,13 @@ def train_round(st: TrainState, cfg: PipelineConfig, inputs: dict[str, Manifest]
                 lambda u: list(range(len(pool.group_ids))), rt,
                 f"round {pool_m.summary['round']} {tc.method} seed {cfg.seed}", after_update=after_update)
     s = pool_m.summary
+    # the learner after the round's N updates against the round's behavior log-probs: on
+    # its last row (the round's end), the other rows None (stages/train/drift.py)
+    drift = round_drift(st.model, pool, drift_sample(len(pool.group_ids), g, cfg.seed, s["round"]), cfg,
+                        tokenizer.pad_token_id, rt)
     return [r | {"round": s["round"], "staleness": r["update"] - 1 - first, "prompts_drawn": s["cumulative_prompts"],
-                 "responses_generated": s["cumulative_responses"]} for r in st.rows]
+                 "responses_generated": s["cumulative_responses"]}
+            | (drift if r is st.rows[-1] else dict.fromkeys(drift)) for r in st.rows]
 
 
 def record(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, rows: list[dict]) -> Built:
@@ -76,7 +85,8 @@ def record(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, rows:
         "cumulative_prompts": s["cumulative_prompts"], "cumulative_responses": s["cumulative_responses"],
         "train_seconds": round(sum(r["seconds"] for r in rows), 3),
         "final_reward": rows[-1]["reward"], "final_loss": rows[-1]["loss"], "k3_mismatch_first": rows[0]["k3_mismatch"],
-        "max_abs_log_ratio_first": rows[0]["max_abs_log_ratio"]})
+        "max_abs_log_ratio_first": rows[0]["max_abs_log_ratio"],
+        "round_drift": rows[-1]["round_drift"], "round_drift_seq": rows[-1]["round_drift_seq"]})
 
 
 def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:

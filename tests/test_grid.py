@@ -156,3 +156,25 @@ def test_grid_run_shares_pool_and_group_order_and_reports_cells(base_manifest, t
     summary = pl.read_csv(paths["csv"])
     assert summary.height == 8 and set(summary["train.lr"]) == {1e-5, 1e-4}
     assert {f["method"][0] for f in finals} == {"grpo lr=1e-5", "grpo lr=1e-4", "ggpo_clip lr=1e-5", "ggpo_clip lr=1e-4"}
+
+
+@pytest.mark.parametrize("flow, sets, cells_per_seed", [
+    ("online", ['experiment.grid={"train.updates_per_step": [1, 4, 16, 64]}'], 16),                 # the ladder
+    ("online", ['experiment.methods=["agro","ggpo"]', 'experiment.grid={"train.t_ref": ["fixed", 10]}'], 4),  # ablation
+    ("offline", ["experiment.flow=offline"], 4),                                                    # the comparison
+])
+def test_the_testbeds_commands_run_the_papers_three_seeds_in_one_command(flow, sets, cells_per_seed):
+    """README's testbed commands with --set 'experiment.seeds=[42,1234,2027]': every cell once
+    per seed (seed outermost), each seed's cells the one-seed command's, and the report's
+    tables group the seeds of a cell (same label) into mean ± std."""
+    from pipeline.config import parse_overrides
+    from pipeline.preflight import flow_overrides
+    one = grid.cells(load_config("tiny-regime", flow_overrides(parse_overrides(sets))))
+    three = grid.cells(load_config("tiny-regime", flow_overrides(parse_overrides(sets + ["experiment.seeds=[42,1234,2027]"]))))
+    assert len(one) == cells_per_seed and len(three) == 3 * cells_per_seed
+    assert [c.seed for c in three] == [42] * cells_per_seed + [1234] * cells_per_seed + [2027] * cells_per_seed
+    assert [c.label for c in three] == [c.label for c in one] * 3
+    # what each cell trains (its config but the experiment section): the one-seed cell's
+    assert [c.config.model_dump(exclude={"experiment"}) for c in three[:cells_per_seed]] \
+        == [c.config.model_dump(exclude={"experiment"}) for c in one]
+    assert {c.config.seed for c in three} == {42, 1234, 2027}

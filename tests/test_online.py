@@ -159,7 +159,8 @@ def test_report_tables_against_n_and_t_ref(tmp_path):
     ggpo1 = diag.filter((pl.col("method") == "ggpo") & (pl.col("N") == 1)).row(0, named=True)
     assert ggpo1["mean_ell"] == pytest.approx(1 + 0.5 * 7.5) and ggpo1["entropy"] == pytest.approx(0.75)
     assert ggpo1["success_ess"] == pytest.approx(0.8)
-    assert "| method | cell | N | t_ref | k3_mismatch | ess | mean_ell | entropy | success_ess | response_length |" in table
+    assert ("| method | cell | N | t_ref | seeds | k3_mismatch | ess | mean_ell | entropy | success_ess | response_length "
+            "| round_drift | round_drift_seq |") in table
     assert {p.name for p in paths} >= {"figure1.png", "figure2.png", "figure3_7.png", "final.csv", "report.md"}
 
 
@@ -224,3 +225,47 @@ def test_flow_with_parallel_builds_equals_sequential_rounds(tmp_path, base_manif
     flow_table = (Path(folder) / "report.md").read_text()       # what the flow wrote and logged
     assert flow_table.strip() in rep.stdout and "Final accuracy" in flow_table, (flow_table, rep.stdout)
     assert "online_pool" in rep.stdout and "not built" not in rep.stdout
+
+
+def test_report_diagnostics_and_drift_are_mean_and_sample_std_over_seeds(tmp_path):
+    """Three seeds of two cells (N = 2, 4 rounds each): the diagnostics table and CSV hold
+    mean and std (ddof 1) over seeds of each seed's last-quarter mean, and the drift table
+    each seed's first / mean / max / last round drift, all checked against numpy float64."""
+    import numpy as np
+
+    from pipeline import online_report
+    rng, curves, evals = np.random.default_rng(1), [], []
+    for method in ("grpo", "ggpo"):
+        cell = f"{method} updates_per_step=2"
+        for seed in (42, 1234, 2027):
+            evals += [{"method": method, "cell": cell, "N": 2, "t_ref": "10", "seed": seed, "update": u,
+                       "accuracy": float(rng.random())} for u in (0, 8)]
+            for u in range(1, 9):
+                end = u % 2 == 0
+                curves.append({"method": method, "cell": cell, "N": 2, "t_ref": "10", "seed": seed, "update": u,
+                               "round": (u - 1) // 2, "k3_mismatch": float(rng.random()), "ess": 1.0, "entropy": 0.1,
+                               "response_length": 9.0, "mean_ell": float(rng.normal()), "success_ess": None,
+                               "responses_generated": 64 * u, "round_drift": float(rng.random()) if end else None,
+                               "round_drift_seq": float(rng.random()) if end else None})
+    table, paths = online_report.write(pl.DataFrame(evals), pl.DataFrame(curves), tmp_path, "mean@8")
+    diag, drift = pl.read_csv(tmp_path / "diagnostics.csv"), pl.read_csv(tmp_path / "drift.csv")
+
+    def per_seed(method, col, pick):
+        return [pick([r[col] for r in curves if r["method"] == method and r["seed"] == s and r[col] is not None
+                      and (pick is not np.mean or r["update"] > 6)]) for s in (42, 1234, 2027)]
+    for method in ("grpo", "ggpo"):
+        row = diag.filter(pl.col("method") == method).row(0, named=True)
+        for col in ("k3_mismatch", "mean_ell", "round_drift", "round_drift_seq"):
+            values = per_seed(method, col, np.mean)
+            assert row[col] == pytest.approx(np.mean(values), rel=1e-12)
+            assert row[f"{col}_std"] == pytest.approx(np.std(values, ddof=1), rel=1e-12)
+        assert row["seeds"] == 3 and row["success_ess"] is None
+        assert f"{row['k3_mismatch']:.4g} ± {row['k3_mismatch_std']:.2g}" in table
+        mx = per_seed(method, "round_drift", np.max)
+        assert f"| {np.mean(mx):.4g} ± {np.std(mx, ddof=1):.2g} |" in table
+        r2 = drift.filter((pl.col("method") == method) & (pl.col("round") == 2)).row(0, named=True)
+        at = [r["round_drift"] for r in curves if r["method"] == method and r["update"] == 6]
+        assert r2["update"] == 6 and r2["round_drift"] == pytest.approx(np.mean(at), rel=1e-12)
+        assert r2["round_drift_std"] == pytest.approx(np.std(at, ddof=1), rel=1e-12)
+    assert drift.height == 8 and "| method | cell | N | t_ref | seeds | rounds | first | mean | max | last |" in table
+    assert "| grpo | grpo updates_per_step=2 | 2 | 10 | 3 | 4 ± 0 |" in table      # every seed ran 4 rounds

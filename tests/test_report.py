@@ -56,3 +56,33 @@ def test_benchmark_tables_table1_and_passk(tmp_path):
     assert "| method | K=1 | K=8 |" in t3_md and t3["method"].to_list() == ["grpo", "ggpo"]
     report.pass_at_k_figure(t3, [1, 8], tmp_path / "p.png")
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_offline_diagnostics_are_mean_and_sample_std_over_seeds(tmp_path):
+    """Each run averaged over the last quarter of its updates (updates 7, 8 of 8), then mean
+    and std (ddof 1) over seeds, checked against numpy in float64; one seed prints no ±."""
+    import numpy as np
+    rng = np.random.default_rng(0)
+    rows = []
+    for method in ("grpo", "ggpo"):
+        for seed in (42, 1234, 2027):
+            for u in range(1, 9):
+                rows.append({"method": method, "seed": seed, "update": u, "abs_log_ratio": float(rng.random()),
+                             "ess": float(rng.random()) if u % 4 == 0 else None, "grad_norm": float(rng.random())})
+    curves = pl.DataFrame(rows)
+    diag = report.diagnostics(curves)
+    for method in ("grpo", "ggpo"):
+        got = diag.filter(pl.col("method") == method).row(0, named=True)
+        for col in ("abs_log_ratio", "ess", "grad_norm"):
+            per_seed = [np.mean([r[col] for r in rows if r["method"] == method and r["seed"] == s and r["update"] > 6
+                                 and r[col] is not None]) for s in (42, 1234, 2027)]
+            assert got[col] == pytest.approx(np.mean(per_seed), rel=1e-12)
+            assert got[f"{col}_std"] == pytest.approx(np.std(per_seed, ddof=1), rel=1e-12)
+        assert got["seeds"] == 3 and got["mean_ell"] is None
+    paths = report.write(evals(), curves, tmp_path, "mean@8")
+    md = paths["markdown"].read_text()
+    g = diag.filter(pl.col("method") == "ggpo").row(0, named=True)
+    assert f"| ggpo | 3 | {g['abs_log_ratio']:.4g} ± {g['abs_log_ratio_std']:.2g} |" in md
+    assert pl.read_csv(paths["diagnostics"]).columns[:3] == ["method", *report.DIAGNOSTICS[:2]]
+    one = report.markdown_diagnostics(report.diagnostics(curves.filter(pl.col("seed") == 42)), list(report.DIAGNOSTICS), "t")
+    assert "±" not in one and "| grpo | 1 |" in one
