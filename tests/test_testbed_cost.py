@@ -1,0 +1,16 @@
+"""benchmarks/testbed_cost.py runs end to end at tiny sizes (the smoke preset's base)."""
+import sys
+
+from conftest import REPO
+
+
+def test_testbed_cost_benchmark_runs(base_manifest, capsys):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import testbed_cost
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    result = testbed_cost.main(["--preset", "smoke", "--rounds", "2", "--reps", "1",
+                                "--set", "train.updates_per_step=1", "--set", "train.groups_per_update=2"])
+    assert result["cell_ms_per_update"] > 0 and result["bare_ms_per_update"] > 0 and result["ratio"] > 0
+    assert "cell / bare loop per update" in capsys.readouterr().out
