@@ -224,3 +224,23 @@ def test_flow_with_parallel_builds_equals_sequential_rounds(tmp_path, base_manif
     flow_table = (Path(folder) / "report.md").read_text()       # what the flow wrote and logged
     assert flow_table.strip() in rep.stdout and "Final accuracy" in flow_table, (flow_table, rep.stdout)
     assert "online_pool" in rep.stdout and "not built" not in rep.stdout
+
+
+def test_round_log_batches_without_losing_a_round(monkeypatch):
+    """A cell's rounds reach MLflow every PUBLISH_EVERY rounds and at the end, each once; the
+    Prefect table gets every row (flows/online.RoundLog)."""
+    from types import SimpleNamespace
+
+    from flows import online as flow
+    sent, tables = [], []
+    monkeypatch.setattr(flow.tracking, "log_rounds", lambda rounds, run_id: sent.append([t.r for t, _ in rounds]))
+    monkeypatch.setattr(flow, "create_table_artifact", lambda table, key, description: tables.append(len(table)))
+    log = flow.RoundLog("run", "ggpo N=1 seed=42")
+    for r in range(flow.PUBLISH_EVERY + 3):
+        pool = SimpleNamespace(key="p" * 16, summary={"prompts_drawn": 8, "groups_kept": 8, "pool_mean_reward": 0.5})
+        trained = SimpleNamespace(r=r, key="t" * 16, summary={"updates": r + 1, "final_reward": 0.5})
+        log.add(r, pool, trained)
+    log.publish()
+    log.publish()           # nothing new: no second batch
+    assert sent == [list(range(flow.PUBLISH_EVERY)), list(range(flow.PUBLISH_EVERY, flow.PUBLISH_EVERY + 3))]
+    assert tables == [flow.PUBLISH_EVERY, flow.PUBLISH_EVERY + 3]
