@@ -9,9 +9,10 @@ countdown's checker in-process, and takes the round's N updates (policy forward,
 reference forward, GGPO's loss on the round's mixed groups, backward, clip, one AdamW
 step). Its draws are its own (same counts and lengths budget, not the same tokens).
 
-Per update: the mean over rounds 1 .. R-1 (round 0 carries the cell's start-up, the
-learner, sampler and grader built once); printed per repetition and as the ratio
-cell / bare, which load on the machine moves far less than either figure.
+Per update: the median over rounds 1 .. R-1 (round 0 carries the cell's start-up, the
+learner, sampler and grader built once; a median, as a busy machine stalls single rounds);
+printed per repetition and as the ratio cell / bare, which load on the machine moves far
+less than either figure.
 
     .venv/bin/python benchmarks/testbed_cost.py [--preset tiny-regime] [--rounds 6] [--reps 3]
         [--set train.updates_per_step=1 ...]
@@ -164,9 +165,8 @@ def measure(preset: str, sets: list[str], rounds: int, reps: int) -> dict:
     cell_ms, bare_ms = [], []
     for rep in range(reps):
         seconds, drawn = cell_round_seconds(cfg, base)
-        cell_ms.append(1000 * sum(seconds) / (len(seconds) * n))
-        bare = bare_round_seconds(cfg, base, drawn, seed=rep)
-        bare_ms.append(1000 * sum(bare) / (len(bare) * n))
+        cell_ms.append(1000 * statistics.median(seconds) / n)
+        bare_ms.append(1000 * statistics.median(bare_round_seconds(cfg, base, drawn, seed=rep)) / n)
         print(f"rep {rep}: cell {cell_ms[-1]:.0f} ms/update, bare {bare_ms[-1]:.0f} ms/update, "
               f"ratio {cell_ms[-1] / bare_ms[-1]:.2f} (prompts drawn per round {drawn})", flush=True)
     ratios = [c / b for c, b in zip(cell_ms, bare_ms)]

@@ -3,7 +3,9 @@
 Our own loop rather than `generate()` so that the sampled token's log-prob is read from
 the exact distribution it was drawn from, the random stream is an explicit seeded
 `torch.Generator`, and left-padded prompts get explicit position ids (so the result equals
-a right-padded teacher-forced recompute to ~1e-6, which a test checks).
+a right-padded teacher-forced recompute to ~1e-6, which a test checks). Rows that have
+stopped leave the batch (`_worth_shrinking`), and the draw does not depend on when they do
+(`_draw`), so a batch costs the tokens its rows produce.
 """
 from __future__ import annotations
 
