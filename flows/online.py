@@ -6,17 +6,17 @@ round r syncs the sampler to the learner, draws seeded prompt batches until N * 
 groups exist (`online_pool`), and takes N updates (`online_train`). Every round is still a
 content-addressed artifact keyed by the chain, so a rerun replays cached rounds, a killed
 cell resumes from its rolling checkpoint, and a longer run continues the chain. Each round
-shows in the Prefect UI (the cell's `<cell>-rounds` table artifact, a version per round)
-and in the cell's MLflow run (curves per update, counts per round). The policy at
+shows in the Prefect UI (the cell's `<cell>-rounds` table artifact) and in the cell's MLflow
+run (curves per update, counts per round), published in batches of rounds (RoundLog). The policy at
 `train.eval_every` and at the end is evaluated (base = update 0) once its cell is done; the
 report (Table 1 / 2 / 4 / 7 and Figure 1 / 2 / 3 / 7 forms, pipeline/online_report.py)
 lands in the MLflow parent run. At most experiment.parallel cells build at once.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,15 @@ def cell_task(cfg: PipelineConfig, base: Manifest, run_name: str, cell_run_id: s
     """One resident cell, all its rounds; its counts (engine starts, rounds sampled, ...)."""
     store = Store()
     base = store.resolve(base)
-    rounds: list[dict] = []
+    log = RoundLog(cell_run_id, run_name)
     with build_slot():
-        counts = run_cell(cfg, store, base, on_round=partial(log_round, cell_run_id, run_name, rounds))
+        try:
+            counts = run_cell(cfg, store, base, on_round=log.add)
+        except BaseException:
+            with contextlib.suppress(Exception):     # the points so far; the cell's own error goes on
+                log.publish()
+            raise
+    log.publish()       # the rounds since the last batch
     get_run_logger().info("%s: %s", run_name, {k: v for k, v in counts.items() if k not in ("folder", "stalled")})
     if counts.get("stalled"):
         get_run_logger().warning("%s stopped after update %d: %s", run_name, counts["stalled"]["update"],
@@ -54,22 +60,43 @@ def cell_task(cfg: PipelineConfig, base: Manifest, run_name: str, cell_run_id: s
     return counts
 
 
-def log_round(run_id: str | None, name: str, rounds: list[dict], r: int, pool: Manifest, trained: Manifest) -> None:
-    """A finished round: its curves and counts into the cell's MLflow run, and a row more in
-    the cell's Prefect table artifact (a new version per round)."""
-    if run_id:
-        tracking.log_round(trained, pool, run_id)
-    s = pool.summary
-    rounds.append({"round": r, "updates": trained.summary["updates"], "prompts_drawn": s["prompts_drawn"],
-                   "groups_kept": s["groups_kept"], "pool_mean_reward": round(s["pool_mean_reward"], 4),
-                   "final_reward": round(trained.summary["final_reward"], 4), "pool": pool.key[:16],
-                   "round_key": trained.key[:16]})
-    try:
-        create_table_artifact(table=rounds, key=progress.artifact_key(f"{name} rounds"),
-                              description=f"online cell {name}: one row per finished round")
-    except Exception as exc:     # noqa: BLE001 - the round is recorded in the store and MLflow already
-        orchestration.noticed(exc)      # its server gone: said once, and no more waiting on it
-        get_run_logger().debug("round artifact not published: %s", exc)
+PUBLISH_EVERY = 8      # rounds per batch of MLflow points and Prefect table versions
+
+
+class RoundLog:
+    """A cell's finished rounds for MLflow (curves per update, counts per round) and the
+    cell's Prefect table artifact, published every PUBLISH_EVERY rounds and at the cell's end:
+    one request and one artifact version a batch, not a round (74 ms a round on the tiny
+    testbed). Every point keeps its step, so MLflow ends with the same points; the store
+    holds every round the moment it finishes."""
+
+    def __init__(self, run_id: str | None, name: str):
+        self.run_id, self.name = run_id, name
+        self.rows: list[dict] = []                              # the table: every round so far
+        self.unpublished: list[tuple[Manifest, Manifest]] = []  # (trained, pool) not yet in MLflow
+
+    def add(self, r: int, pool: Manifest, trained: Manifest) -> None:
+        s = pool.summary
+        self.rows.append({"round": r, "updates": trained.summary["updates"], "prompts_drawn": s["prompts_drawn"],
+                          "groups_kept": s["groups_kept"], "pool_mean_reward": round(s["pool_mean_reward"], 4),
+                          "final_reward": round(trained.summary["final_reward"], 4), "pool": pool.key[:16],
+                          "round_key": trained.key[:16]})
+        self.unpublished.append((trained, pool))
+        if len(self.unpublished) >= PUBLISH_EVERY:
+            self.publish()
+
+    def publish(self) -> None:
+        if not self.unpublished:
+            return
+        if self.run_id:
+            tracking.log_rounds(self.unpublished, self.run_id)
+        self.unpublished = []
+        try:
+            create_table_artifact(table=self.rows, key=progress.artifact_key(f"{self.name} rounds"),
+                                  description=f"online cell {self.name}: one row per finished round")
+        except Exception as exc:     # noqa: BLE001 - the rounds are recorded in the store and MLflow already
+            orchestration.noticed(exc)      # its server gone: said once, and no more waiting on it
+            get_run_logger().debug("round artifact not published: %s", exc)
 
 
 def cell_name(cell: Cell) -> str:

@@ -2,9 +2,12 @@
 
 A task may bring its own grader (TASK_GRADERS): a reference answer that starts with its
 prefix (`countdown:3 5 7=22`, pipeline/countdown.py) is graded by it instead of
-math-verify, in the same call, worker pool, CPU-time limit and status codes. The prefix is
-part of the data, so a prompt file whose answers carry it is graded the same way, and
-every stage that grades (verify, online_pool, evaluate, base) needs no task switch.
+math-verify, in the same call and with the same status codes. The prefix is part of the
+data, so a prompt file whose answers carry it is graded the same way, and every stage that
+grades (verify, online_pool, evaluate, base) needs no task switch. A grader bounded by
+construction (BOUNDED: countdown's) runs in the calling thread, without the worker pool's
+round trip or the CPU-time limit (a few microseconds a response, where the hop cost ~25 ms
+a call); math-verify's grades keep both.
 
 Status codes: `ok` (parsed and compared; reward 1 or 0), `no_answer` (no `\\boxed`),
 `parse_error` (a box math-verify cannot parse), `timeout` (over the per-response limit).
@@ -37,7 +40,8 @@ per response, in order:
 - Work goes out in chunks of ceil(n / (4 * pool workers)) responses (1..256), so small
   batches use every worker too. Workers report each response as it finishes, so `progress(k)` is
   called (in the calling thread) with the number of newly finished responses, and
-  results already graded are never lost.
+  results already graded are never lost. The caller sleeps on its call's event, which
+  every delivered result sets (and at most _TICK_S for the health checks), never on a timer.
 - A worker is stuck when one response runs past `stuck_wall(timeout_s)` wall seconds (its
   CPU timer could not fire: a long call in C, a stopped process; the margin lets a loaded
   machine's slow but progressing workers finish) or when the pool sends nothing for that
@@ -117,6 +121,10 @@ def _gold(answer: str):
 
 # reference prefix -> grader(response, reference) -> (reward, status), for tasks graded by meaning
 TASK_GRADERS: dict[str, Callable[[str, str], tuple[float, str]]] = {countdown.PREFIX: countdown.grade}
+# the prefixes whose grader is bounded by construction, graded in the calling thread (no
+# worker round trip, no timer): countdown's is one scan for the box and a parse of at most
+# MAX_CHARS characters that evaluates only + - * over the given numbers (pipeline/countdown.py)
+BOUNDED = (countdown.PREFIX,)
 
 
 def _grade_untimed(response: str, answers: tuple[str, ...]) -> tuple[float, str]:
@@ -168,6 +176,21 @@ def grade(response: str, answers: tuple[str, ...], timeout_s: float) -> Graded:
     if seconds > timeout_s or _FIRED[0]:
         reward, status = 0.0, "timeout"
     return Graded(reward, status, seconds)
+
+
+def bounded(answers: tuple[str, ...]) -> bool:
+    """Whether these references' grader is bounded by construction (BOUNDED)."""
+    return bool(answers) and answers[0].startswith(BOUNDED)
+
+
+def grade_bounded(response: str, answers: tuple[str, ...]) -> Graded:
+    """A grade by a bounded grader, in this thread; `seconds` is this thread's CPU time."""
+    start = time.thread_time()
+    try:
+        reward, status = _grade_untimed(response, answers)
+    except Exception:  # noqa: BLE001 - the same verdict the timed path gives a raising grader
+        reward, status = 0.0, "parse_error"
+    return Graded(reward, status, time.thread_time() - start)
 
 
 def warm_up() -> None:
@@ -467,8 +490,24 @@ def grade_many(responses: list[str], answers: Sequence[tuple[str, ...]], timeout
     if len(responses) != len(answers):
         raise ValueError(f"grade_many: {len(responses)} responses but {len(answers)} answer tuples")
     items = [(r, tuple(a)) for r, a in zip(responses, answers)]
-    if not items:
-        return []
+    here = [i for i, (_, a) in enumerate(items) if bounded(a)]
+    results: list[Graded | None] = [None] * len(items)
+    for i in here:
+        results[i] = grade_bounded(*items[i])
+    if here and progress:
+        progress(len(here))
+    rest = [i for i, r in enumerate(results) if r is None]
+    if rest:
+        for i, r in zip(rest, _grade_timed([items[i] for i in rest], timeout_s, workers, chunk, progress,
+                                           retry_timeout_s)):
+            results[i] = r
+    return cast(list[Graded], results)
+
+
+def _grade_timed(items: list, timeout_s: float, workers: int, chunk: int | None, progress,
+                 retry_timeout_s: float | None) -> list[Graded]:
+    """Items graded under the CPU-time limit: here on a main thread asking for one worker,
+    else in the pool; timeouts retried once."""
     workers = workers or default_workers()
     if workers == 1 and threading.current_thread() is threading.main_thread():
         results = _grade_here(items, timeout_s, progress)
@@ -537,7 +576,6 @@ def _grade_pooled(items: list, timeout_s: float, workers: int, chunk: int | None
                 raise RuntimeError(f"grading {len(items)} responses: {error}")
             if done == len(items):
                 return cast(list[Graded], list(call.results))     # every item delivered: no None left
-            time.sleep(0.02)   # let results gather: one wake per batch, not one per response
     finally:
         with _LOCK:
             _CALLS.pop(call.id, None)

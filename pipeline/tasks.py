@@ -221,15 +221,34 @@ def file_report(cfg: TaskConfig) -> dict:
     return {"task_rows": f.total, "task_rows_skipped": len(f.skipped), "task_rows_skipped_ids": ", ".join(f.skipped[:5])}
 
 
+_splits: dict[str, dict[str, list[Problem]]] = {}     # TaskConfig JSON -> a built-in task's splits
+_splits_lock = threading.Lock()
+
+
 def splits(cfg: TaskConfig) -> dict[str, list[Problem]]:
-    """{'train': [...], 'eval': [...]}: disjoint, deterministic in cfg."""
+    """{'train': [...], 'eval': [...]}: disjoint, deterministic in cfg. A built-in task's are
+    drawn once per config per process (an online round asks every time: 2,248 countdown
+    problems cost ~30 ms a round); each caller gets its own lists."""
     if cfg.name not in BUILTIN:
-        rows = load_file(cfg.name)
-        order = permutation(len(rows), cfg.split_seed, "task/file-split")
-        if cfg.n_eval >= len(rows):
-            raise DatasetError(f"{cfg.name}: {len(rows)} rows, not enough for n_eval={cfg.n_eval} plus training")
-        return {"eval": [rows[i] for i in order[:cfg.n_eval]],
-                "train": [rows[i] for i in order[cfg.n_eval:cfg.n_eval + cfg.n_train]]}
+        return _file_splits(cfg)
+    key = cfg.model_dump_json()
+    with _splits_lock:
+        if key not in _splits:
+            _splits[key] = _builtin_splits(cfg)
+        found = _splits[key]
+    return {k: list(v) for k, v in found.items()}
+
+
+def _file_splits(cfg: TaskConfig) -> dict[str, list[Problem]]:
+    rows = load_file(cfg.name)
+    order = permutation(len(rows), cfg.split_seed, "task/file-split")
+    if cfg.n_eval >= len(rows):
+        raise DatasetError(f"{cfg.name}: {len(rows)} rows, not enough for n_eval={cfg.n_eval} plus training")
+    return {"eval": [rows[i] for i in order[:cfg.n_eval]],
+            "train": [rows[i] for i in order[cfg.n_eval:cfg.n_eval + cfg.n_train]]}
+
+
+def _builtin_splits(cfg: TaskConfig) -> dict[str, list[Problem]]:
     eval_rows = sample_problems(cfg, "eval", cfg.n_eval, set())
     train_rows = sample_problems(cfg, "train", cfg.n_train, {p for p, _ in eval_rows})
     tag = f"{cfg.name}-d{cfg.difficulty}"

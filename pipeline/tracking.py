@@ -385,14 +385,24 @@ def log_source_dataset(c, run_id: str, pool_cfg) -> None:
     c.set_tag(run_id, "ggpo.pool_source_digest", src.digest)
 
 
-def log_round(trained: Manifest, pool: Manifest, run_id: str) -> None:
-    """One online round into its cell's run, in one call: the round's per-update metrics
-    (`train/...`, cumulative prompts drawn and responses generated included) and its
-    pool's counts (`round/...`) at the round's first update, plus the two manifests' keys."""
-    c = client()
+def round_metrics(trained: Manifest, pool: Manifest) -> list[tuple[str, float, int]]:
+    """One online round's points: its per-update metrics (`train/...`, cumulative prompts
+    drawn and responses generated included) and its pool's counts (`round/...`) at the
+    round's first update, plus the two stages' seconds and cache hits."""
     metrics = training_curves(trained)
     first = trained.summary["first_update"] + 1
     metrics += [(f"round/{k}", v, first) for k, v, _ in summary_metrics(pool.summary)]
     metrics += [("round/stage_seconds_pool", pool.seconds, first), ("round/stage_seconds_train", trained.seconds, first),
                 ("round/cache_hit_pool", float(pool.cache_hit), first), ("round/cache_hit_train", float(trained.cache_hit), first)]
-    log_params_metrics(c, run_id, {}, metrics)
+    return metrics
+
+
+def log_round(trained: Manifest, pool: Manifest, run_id: str) -> None:
+    """One online round into its cell's run, in one call (round_metrics)."""
+    log_rounds([(trained, pool)], run_id)
+
+
+def log_rounds(rounds: list[tuple[Manifest, Manifest]], run_id: str) -> None:
+    """Several online rounds (trained, pool) into their cell's run in one batch: every point
+    keeps its own step, so batching changes when points arrive, not which."""
+    log_params_metrics(client(), run_id, {}, [m for trained, pool in rounds for m in round_metrics(trained, pool)])

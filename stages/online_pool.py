@@ -164,7 +164,9 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
                       "(`ggpo stage online` or `ggpo run online`), which builds or replays every round")
 
 
-SPEC = StageSpec(name="online_pool", version=3,
+# version 2 (online_pool 4): the transformers sampler drops finished rows (#26); the same tokens,
+# but fp32 log-probs computed at another batch size may differ in their last bits
+SPEC = StageSpec(name="online_pool", version=4,
                  reads=("seed", "task", "rollout", "verify.timeout_s", "verify.retry_timeout_s",
                         "train.groups_per_update", "train.updates_per_step",
                         "online.draw_prompts"), build=build)

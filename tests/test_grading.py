@@ -233,3 +233,16 @@ def test_killed_worker_is_replaced_and_its_responses_regraded():
     assert _children().isdisjoint(old_pids)                           # none left, not even a zombie
     close_pool()
     assert _children().isdisjoint(info["pids"])
+
+
+def test_bounded_grader_runs_in_the_calling_thread_in_order():
+    """Countdown's answers are graded here (grading.BOUNDED): no worker pool starts for them,
+    and a batch mixing them with math-verify answers keeps its order."""
+    from pipeline import grading
+    grading.close_pool()
+    ref = ("countdown:3 5 7=22",)
+    out = grading.grade_many(["\\boxed{3*5+7}", "\\boxed{3+5+7}", "no box"], [ref] * 3, 1.0, workers=2)
+    assert [(g.reward, g.status) for g in out] == [(1.0, "ok"), (0.0, "ok"), (0.0, "no_answer")]
+    assert grading.pool_info() == {}
+    mixed = grading.grade_many(["\\boxed{2}", "\\boxed{7+5*3}", "\\boxed{3}"], [("2",), ref, ("2",)], 5.0, workers=1)
+    assert [g.reward for g in mixed] == [1.0, 1.0, 0.0]

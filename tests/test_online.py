@@ -269,3 +269,23 @@ def test_report_diagnostics_and_drift_are_mean_and_sample_std_over_seeds(tmp_pat
         assert r2["round_drift_std"] == pytest.approx(np.std(at, ddof=1), rel=1e-12)
     assert drift.height == 8 and "| method | cell | N | t_ref | seeds | rounds | first | mean | max | last |" in table
     assert "| grpo | grpo updates_per_step=2 | 2 | 10 | 3 | 4 ± 0 |" in table      # every seed ran 4 rounds
+
+
+def test_round_log_batches_without_losing_a_round(monkeypatch):
+    """A cell's rounds reach MLflow every PUBLISH_EVERY rounds and at the end, each once; the
+    Prefect table gets every row (flows/online.RoundLog)."""
+    from types import SimpleNamespace
+
+    from flows import online as flow
+    sent, tables = [], []
+    monkeypatch.setattr(flow.tracking, "log_rounds", lambda rounds, run_id: sent.append([t.r for t, _ in rounds]))
+    monkeypatch.setattr(flow, "create_table_artifact", lambda table, key, description: tables.append(len(table)))
+    log = flow.RoundLog("run", "ggpo N=1 seed=42")
+    for r in range(flow.PUBLISH_EVERY + 3):
+        pool = SimpleNamespace(key="p" * 16, summary={"prompts_drawn": 8, "groups_kept": 8, "pool_mean_reward": 0.5})
+        trained = SimpleNamespace(r=r, key="t" * 16, summary={"updates": r + 1, "final_reward": 0.5})
+        log.add(r, pool, trained)
+    log.publish()
+    log.publish()           # nothing new: no second batch
+    assert sent == [list(range(flow.PUBLISH_EVERY)), list(range(flow.PUBLISH_EVERY, flow.PUBLISH_EVERY + 3))]
+    assert tables == [flow.PUBLISH_EVERY, flow.PUBLISH_EVERY + 3]

@@ -3,7 +3,9 @@
 Our own loop rather than `generate()` so that the sampled token's log-prob is read from
 the exact distribution it was drawn from, the random stream is an explicit seeded
 `torch.Generator`, and left-padded prompts get explicit position ids (so the result equals
-a right-padded teacher-forced recompute to ~1e-6, which a test checks).
+a right-padded teacher-forced recompute to ~1e-6, which a test checks). Rows that have
+stopped leave the batch (`_worth_shrinking`), and the draw does not depend on when they do
+(`_draw`), so a batch costs the tokens its rows produce.
 """
 from __future__ import annotations
 
@@ -54,6 +56,32 @@ def weights_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return known[dtype]
 
 
+def _draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, live: torch.Tensor,
+          rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next token [b], log-probs [b, V]) for the b rows still in a batch of `rows`; `live` [b]:
+    their original rows. Greedy at temperature 0 (log-probs then at temperature 1).
+
+    The draw is torch.multinomial's own (its one-sample path takes argmax(p / q), q ~ Exp(1)
+    drawn over the whole [rows, V] tensor), with the noise drawn for every original row, so
+    each row's token is the one it got when finished rows stayed in the batch: the random
+    stream, and so the pool, does not depend on when rows leave."""
+    if params.temperature == 0:
+        return logits.argmax(-1), torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    probs = top_p_filter(logp.exp(), params.top_p)
+    noise = torch.empty((rows, probs.shape[1]), dtype=probs.dtype, device=probs.device).exponential_(generator=gen)
+    return (probs / noise[live]).argmax(-1), logp
+
+
+def _worth_shrinking(done: torch.Tensor) -> bool:
+    """Drop the finished rows once they are a quarter of the batch: each drop copies the KV
+    cache, so dropping at every finished row costs much of what it saves; at a quarter the
+    batch shrinks geometrically and at most a quarter of a step's rows are wasted. Measured on
+    the tiny model (512 rows, 24 new tokens, bf16): a draw costs 0.74x keeping every row to the
+    end, 0.80x at a tenth, 0.88x at every finished row."""
+    return 4 * int(done.sum()) >= done.numel()
+
+
 class TransformersEngine:
     name = "transformers"
     logprobs_mode = LOGPROBS_MODE
@@ -101,41 +129,43 @@ class TransformersEngine:
 
     @torch.no_grad()
     def _sample(self, prompts: list[str], params: SamplingParams, gen: torch.Generator) -> list[Completion]:
-        tok, model = self.tokenizer, self.model
+        """One batch of rows decoded together; a row leaves the batch once it has sampled a
+        stop token (`_shrink`), so a batch costs the tokens its rows produce, not rows x the
+        longest row. The draws do not depend on which rows are still in the batch (`_draw`)."""
+        tok, model, dev = self.tokenizer, self.model, self.device
         model.eval()
         ids = [tok(p)["input_ids"] for p in prompts]
-        width = max(map(len, ids))
-        dev = self.device
+        rows, width, steps = len(ids), max(map(len, ids)), params.max_new_tokens
         input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
-        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
-        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        # the mask of every step allocated once (prompt part, then ones for the new tokens), read
+        # through a growing slice: no torch.cat per step
+        attn = torch.ones((rows, width + steps), dtype=torch.long, device=dev)
+        attn[:, :width] = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
+        step_pos = (attn[:, :width].cumsum(-1) - 1).clamp(min=0)
         stops = torch.tensor(self.stop_ids, device=dev)
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=dev)
-        tokens, logps = [], []
-        past, step_ids, step_pos = None, input_ids, pos
+        tokens = torch.full((rows, steps), tok.pad_token_id, dtype=torch.long, device=dev)
+        logps = torch.zeros((rows, steps), device=dev)
+        live = torch.arange(rows, device=dev)       # the original row of each row still in the batch
+        past, step_ids, done = None, input_ids, torch.zeros(rows, dtype=torch.bool, device=dev)
         cache_kw, last_only = _cache_kwarg(model), _last_logits_kwargs(model)
-        for _ in range(params.max_new_tokens):
+        t = 0
+        for t in range(steps):
             interrupt.check("generation")        # a safe point: nothing of this batch is kept
-            res = model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+            res = model(input_ids=step_ids, attention_mask=attn[:, :width + t], position_ids=step_pos,
                         use_cache=True, **{cache_kw: past}, **last_only)
-            logits = res.logits[:, -1, :].float()
-            if params.temperature == 0:   # greedy; log-probs reported at temperature 1
-                logp = torch.log_softmax(logits, dim=-1)
-                nxt = logits.argmax(-1)
-            else:
-                logp = torch.log_softmax(logits / params.temperature, dim=-1)
-                probs = top_p_filter(logp.exp(), params.top_p)
-                nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            nxt, logp = _draw(res.logits[:, -1, :].float(), params, gen, live, rows)
             nxt = torch.where(done, torch.full_like(nxt, tok.pad_token_id), nxt)
-            tokens.append(nxt)
-            logps.append(logp.gather(1, nxt[:, None]).squeeze(1))
+            tokens[live, t], logps[live, t] = nxt, logp.gather(1, nxt[:, None]).squeeze(1)
             done = done | torch.isin(nxt, stops)
             if bool(done.all()):
                 break
-            past, step_ids = getattr(res, "cache", None) or res.past_key_values, nxt[:, None]
-            step_pos = step_pos[:, -1:] + 1
-            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
-        return self._completions(torch.stack(tokens, 1), torch.stack(logps, 1), set(stops.tolist()), params.logprobs)
+            past = getattr(res, "cache", None) or res.past_key_values
+            step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
+            if _worth_shrinking(done):
+                keep = (~done).nonzero().squeeze(1)
+                past.batch_select_indices(keep)
+                live, attn, step_ids, step_pos, done = live[keep], attn[keep], step_ids[keep], step_pos[keep], done[keep]
+        return self._completions(tokens[:, :t + 1], logps[:, :t + 1], set(stops.tolist()), params.logprobs)
 
     def _completions(self, tokens: torch.Tensor, logps: torch.Tensor, stops: set[int],
                      with_logprobs: bool = True) -> list[Completion]:
