@@ -34,7 +34,7 @@ from stages.train import checkpoint, distributed
 from stages.train.diagnostics import micro_batch_stats, normalized_ess
 from stages.train.losses import LossInputs, get_loss
 from stages.train.order import groups_for_update
-from stages.train.policy import Batch, token_logprobs
+from stages.train.policy import Batch, Buckets, token_logprobs
 from stages.train.pool import LP_BEH_FLOOR, Pool, batch, check_token_ids, load_pool, micro_batches, padded_rows, stack_groups  # noqa: F401 - loop's API too
 from stages.train.reference import ReferenceCache
 
@@ -43,7 +43,7 @@ log = logging.getLogger("ggpo")
 BEHAVIOR_DIAGNOSTICS = ("k3_mismatch", "abs_log_ratio", "max_abs_log_ratio")
 
 
-def policy_logprobs(model, batch: Batch, rt: Runtime, temperature: float, with_entropy: bool = False,
+def policy_logprobs(model, batch: Batch | Buckets, rt: Runtime, temperature: float, with_entropy: bool = False,
                     device: torch.device | None = None):
     """token_logprobs on the model's device under the runtime's precision; results on rt.device."""
     with rt.autocast((device or rt.device).type):
@@ -66,7 +66,7 @@ def step_anchor(model, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_i
     {group: [m, T_g]} on the training device."""
     out: dict[int, torch.Tensor] = {}
     for chunk, real in my_micro_batches(pool, sorted(set(groups)), cfg.train, rt.packed):
-        lp, _ = policy_logprobs(model, batch(pool, chunk, pad_id, rt.packed), rt, cfg.rollout.temperature)
+        lp, _ = policy_logprobs(model, batch(pool, chunk, pad_id, rt.packed, rt.bucket_overhead), rt, cfg.rollout.temperature)
         if real:
             out |= group_rows(lp, pool, chunk)
     d = distributed.current()     # each rank did its shard; every rank keeps the whole anchor
@@ -102,7 +102,7 @@ def micro_batch_loss(model, reference, pool: Pool, groups: list[int], tc: TrainC
                      ref_cache: ReferenceCache) -> MicroBatch:
     """Loss, metrics and diagnostics of some whole groups; nothing leaves the device."""
     m = pool.group_size
-    b = batch(pool, groups, pad_id, rt.packed)
+    b = batch(pool, groups, pad_id, rt.packed, rt.bucket_overhead)
     lp, entropy = policy_logprobs(model, b, rt, temperature, with_entropy=True)
     shape = (len(groups), m, b.mask.shape[1])
 
