@@ -46,6 +46,7 @@ def main() -> None:
     from pipeline.runtime import make_runtime
     from pipeline.tiny_model import build_model, build_tokenizer
     from stages.train import loop
+    from stages.train.reference import ReferenceCache
     torch.set_num_threads(1)
     tok = build_tokenizer()
     model = build_model(ModelConfig(), len(tok))
@@ -55,11 +56,12 @@ def main() -> None:
     cfg = load_config("tiny-regime", ["train.method=ggpo", "train.device=cpu", "train.packing=off"])
     rt0 = make_runtime(cfg.train)
     policy, reference = rt0.prepare(model), rt0.prepare_reference(copy.deepcopy(model))
+    st = loop.TrainState(policy, reference, torch.optim.AdamW(policy.parameters()), ref_cache=ReferenceCache(enabled=False))
     settings: list[float | None] = [None, *args.overhead]
 
     def update(overhead: float | None, pool) -> float:
         t0 = time.perf_counter()
-        loop.run_update(policy, reference, pool, list(range(8)), cfg, 0, runtime=replace(rt0, bucket_overhead=overhead))
+        loop.run_update(st, loop.TrainContext(cfg, pool, replace(rt0, bucket_overhead=overhead), 0), list(range(8)))
         policy.zero_grad(set_to_none=True)
         return time.perf_counter() - t0
     for s in settings:              # warm-up
