@@ -148,13 +148,15 @@ def model_flops(pool, groups: list[int], n_params: int, g: dict) -> float:
 
 def one_update(model, reference, opt, pool, cfg, rt, n_params: int, g: dict) -> dict:
     """run_update + optimizer step, timed; the figures of one update."""
-    from stages.train.loop import run_update
+    from stages.train.loop import TrainContext, TrainState, run_update
+    from stages.train.reference import ReferenceCache
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     groups = list(range(len(pool.group_ids)))
     sync(rt.device)
     t0 = time.perf_counter()
-    row = run_update(model, reference, pool, groups, cfg, 0, lp_old=None, runtime=rt)
+    row = run_update(TrainState(model, reference, opt, ref_cache=ReferenceCache(enabled=False)),
+                     TrainContext(cfg, pool, rt, 0), groups)
     sync(rt.device)
     t1 = time.perf_counter()
     opt.step()

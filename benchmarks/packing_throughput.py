@@ -64,7 +64,8 @@ def one_update(model, pool, cfg, packing: str) -> float:
     import copy
 
     from pipeline.runtime import make_runtime
-    from stages.train.loop import run_update
+    from stages.train.loop import TrainContext, TrainState, run_update
+    from stages.train.reference import ReferenceCache
     c = cfg.updated({"train.packing": packing})
     rt = make_runtime(c.train)
     policy = rt.prepare(model)
@@ -72,7 +73,8 @@ def one_update(model, pool, cfg, packing: str) -> float:
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    run_update(policy, reference, pool, list(range(len(pool.group_ids))), c, 0, runtime=rt)
+    st = TrainState(policy, reference, torch.optim.AdamW(policy.parameters()), ref_cache=ReferenceCache(enabled=False))
+    run_update(st, TrainContext(c, pool, rt, 0), list(range(len(pool.group_ids))))
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     policy.zero_grad(set_to_none=True)

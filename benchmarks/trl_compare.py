@@ -40,7 +40,7 @@ def ggpo_stepper(cfg, base, folder: Path):
     from pipeline.schemas import TRAIN_POOL, write_parquet
     from pipeline.store import model_path
     from stages.rollout import prompt_table, rollout_table
-    from stages.train.loop import load_pool, new_state, run_updates
+    from stages.train.loop import TrainContext, load_pool, new_state, run_updates
 
     rc, tc, path = cfg.rollout, cfg.train, model_path(base)
     rt = make_runtime(tc)
@@ -60,7 +60,8 @@ def ggpo_stepper(cfg, base, folder: Path):
         write_parquet({k: rows[k] for k in TRAIN_POOL.names}, TRAIN_POOL, folder / "pool.parquet")
         pool = load_pool(folder / "pool.parquet", M, tc.needs_behavior_logprobs())
         every = list(range(len(problems)))
-        run_updates(st, pool, cfg, tok, None, st.update + 1, lambda u: every, lambda u: every, rt, "ggpo step")
+        run_updates(st, TrainContext(cfg, pool, rt, tok.pad_token_id, groups_of=lambda u: every,
+                                     step_groups_of=lambda u: every, desc="ggpo step"), st.update + 1)
         return time.perf_counter() - t0
     return step
 

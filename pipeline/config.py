@@ -139,8 +139,9 @@ class TrainConfig(Section):
     # full: the plain logits path, kept as the reference implementation for parity checks
     logprob_impl: Literal["chunked", "full"] = "chunked"
     # padding-free micro-batches (policy.make_batch): auto = on CUDA (flash-attn's varlen kernels
-    # when installed, else flex attention); on = also on the CPU (sdpa with a block-diagonal
-    # mask: correct, for checks, not faster there); off = padded rows
+    # when installed, else flex attention), on the CPU padded rows in length buckets (policy.Buckets);
+    # on = packed on the CPU too (sdpa with a block-diagonal mask: correct, for checks, not
+    # faster there); off = one padded batch per micro-batch
     packing: Literal["auto", "on", "off"] = "auto"
     reference_cache: bool = True     # reference log-probs once per group per reference window
     checkpoint_every: int = Field(10, ge=1)

@@ -74,6 +74,9 @@ class Runtime:
     packed: bool = False                    # padding-free micro-batches (policy.make_batch)
     attn_implementation: str | None = None  # set on policy and reference when packed
     bf16_parameters: bool = False           # the policy computes with bf16 parameters (FSDP's param_dtype)
+    # padded micro-batches as buckets of similar-length rows (policy.Buckets): a forward's
+    # fixed cost in padded tokens (packing.bucket_rows); None: one padded batch
+    bucket_overhead: float | None = None
 
     def autocast(self, device_type: str | None = None):
         """The forward's precision context (fp32 master weights stay fp32), for a model on
@@ -157,7 +160,8 @@ def packing_plan(setting: str, device: torch.device) -> tuple[bool, str | None]:
     forward, policy.Batch.attention_kwargs), else torch's flex attention with a block-sparse
     mask (in torch since 2.5; the pinned GPU stack installs no flash-attn, so this is the
     GPU default). On the CPU only `on` packs, with sdpa and a dense block-diagonal mask
-    (exact, but quadratic in the whole micro-batch: for checks)."""
+    (exact, but quadratic in the whole micro-batch: for checks); there `auto` runs padded rows
+    in length buckets (make_runtime, policy.Buckets) and `off` one padded batch."""
     if setting == "off":
         return False, None
     if device.type == "cuda":
@@ -176,6 +180,16 @@ def _flex_attention_available() -> bool:
     return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
 
 
+# A padded forward + backward's fixed cost in padded tokens, for bucketing a micro-batch's rows
+# by length (packing.bucket_rows). Measured on the tiny model (hidden 128, 2 layers, 1 thread)
+# as the update time against this setting, interleaved (benchmarks/bucket_padding.py; two
+# runs on a loaded 2-core machine): 0 (a bucket per length) 1.7x the one padded batch,
+# 30: 0.91-0.97x, 60-250: 0.82-0.91x, 500: 0.96-1.09x; the middle of the flat optimum.
+# A larger model costs more per token, so its fixed cost is fewer tokens: this value then
+# splits less than it could, never more.
+BUCKET_OVERHEAD_TOKENS = 128.0
+
+
 def make_runtime(tc: TrainConfig) -> Runtime:
     device = resolve_device(tc.device)
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else None,
@@ -183,9 +197,13 @@ def make_runtime(tc: TrainConfig) -> Runtime:
     ref_device = torch.device("cpu") if tc.reference_device == "cpu" else device
     packed, attention = packing_plan(tc.packing, device)
     sharded = tc.nproc > 1 or tc.nnodes > 1        # FSDP's bf16 param_dtype applies only there
+    # buckets where packing is off on the CPU under auto; never sharded (FSDP needs the same
+    # number of forwards on every rank, and buckets vary per micro-batch)
+    buckets = tc.packing == "auto" and not packed and device.type == "cpu" and not sharded
     return Runtime(device=device, autocast_dtype=dtype, reference_device=ref_device,
                    gradient_checkpointing=tc.gradient_checkpointing,
                    chunk_tokens=tc.logprob_chunk_tokens, logprob_impl=tc.logprob_impl,
                    param_dtype=torch.float64 if tc.dtype == "float64" else torch.float32,
                    packed=packed, attn_implementation=attention,
-                   bf16_parameters=sharded and tc.fsdp_param_dtype == "bfloat16")
+                   bf16_parameters=sharded and tc.fsdp_param_dtype == "bfloat16",
+                   bucket_overhead=BUCKET_OVERHEAD_TOKENS if buckets else None)

@@ -30,7 +30,7 @@ from pipeline.schemas import ONLINE_METRICS, write_parquet
 from pipeline.stage import Built, StageSpec
 from pipeline.store import Manifest
 from stages.train.drift import drift_sample, round_drift
-from stages.train.loop import TrainState, load_pool, run_updates
+from stages.train.loop import TrainContext, TrainState, load_pool, run_updates
 
 # what a round's key does not depend on (the run's length, evaluation and checkpoint schedules)
 NOT_ROUND_CONTENT = ("train.updates", "train.eval_every", "train.checkpoint_every")
@@ -61,9 +61,11 @@ def train_round(st: TrainState, cfg: PipelineConfig, inputs: dict[str, Manifest]
     first, stop = check(cfg, inputs, st.update)
     pool = load_pool(pool_m.path("train_pool"), cfg.rollout.group_size, tc)
     g, st.rows = tc.groups_per_update, []
-    run_updates(st, pool, cfg, tokenizer, None, stop, lambda u: list(range((u - first) * g, (u - first + 1) * g)),
-                lambda u: list(range(len(pool.group_ids))), rt,
-                f"round {pool_m.summary['round']} {tc.method} seed {cfg.seed}", after_update=after_update)
+    ctx = TrainContext(cfg, pool, rt, tokenizer.pad_token_id,
+                       groups_of=lambda u: list(range((u - first) * g, (u - first + 1) * g)),
+                       step_groups_of=lambda u: list(range(len(pool.group_ids))),
+                       desc=f"round {pool_m.summary['round']} {tc.method} seed {cfg.seed}")
+    run_updates(st, ctx, stop, after_update=after_update)
     s = pool_m.summary
     # the learner after the round's N updates against the round's behavior log-probs: on
     # its last row (the round's end), the other rows None (stages/train/drift.py)

@@ -33,7 +33,7 @@ from pipeline.schemas import TRAIN_POOL, write_parquet
 from pipeline.stage import Built, StageSpec, run_stage
 from pipeline.store import Manifest, Store, canonical_json, sha256_cached
 from stages.pool_import import vocab_sha256
-from stages.train.loop import check_token_ids, load_pool, step_anchor
+from stages.train.loop import TrainContext, check_token_ids, load_pool, step_anchor
 
 
 def scored_by(cfg: PipelineConfig) -> str:
@@ -61,7 +61,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     rt = make_runtime(cfg.train)
     model = rt.prepare(load_model(path)).eval()
     check_token_ids(pool, model.config.vocab_size, f"pool.score_model={cfg.pool.score_model}")
-    lp = step_anchor(model, pool, list(range(len(pool.group_ids))), cfg, tok.pad_token_id, rt)
+    lp = step_anchor(model, TrainContext(cfg, pool, rt, tok.pad_token_id), list(range(len(pool.group_ids))))
     rows = [lp[j][i, :len(r)].tolist() for j in range(len(pool.group_ids)) for i, r in enumerate(pool.responses[j])]
     df = pl.read_parquet(pool_path).sort(["group", "sample"]).with_columns(
         pl.Series("behavior_logprobs", rows, dtype=pl.List(pl.Float32)),

@@ -312,7 +312,7 @@ def test_the_reference_computes_what_the_policy_computes_at_update_0_and_after_a
     print(f"\nall-bf16 reference at update 0: |ell| up to {ell(all_bf16).abs().max():.4f} nat")
     assert ell(all_bf16).abs().max() > 0
     for u in range(2):
-        loop.one_update(st, pl_pool, groups, cfg, 0, rt, None)
+        loop.one_update(st, loop.TrainContext(cfg, pl_pool, rt, 0), groups)
         if u == 0:
             assert ell(st.reference).abs().max() > 0           # the policy moved, the reference did not
     assert torch.equal(ell(st.reference), torch.zeros(b.mask.shape[0]))     # refreshed after update 2
@@ -433,7 +433,8 @@ def test_an_update_reads_the_device_once(base_manifest, pool, monkeypatch):
     st = new_state(cfg, model_path(base_manifest), model_path(base_manifest), rt)
     p = load_pool(pool[2].path("train_pool"), 8)
     groups = list(range(8))
-    lp_old = loop.step_anchor(st.model, p, groups, cfg, 0, rt)
+    ctx = loop.TrainContext(cfg, p, rt, 0)
+    st.lp_old = loop.step_anchor(st.model, ctx, groups)
     calls = []
 
     def ours() -> bool:      # called from the project's own code (pipeline/, stages/)?
@@ -443,7 +444,7 @@ def test_an_update_reads_the_device_once(base_manifest, pool, monkeypatch):
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k:
                             (calls.append(_n) if ours() else None, _o(self, *a, **k))[1])
-    row = run_update(st.model, st.reference, p, groups, cfg, 0, lp_old, rt)
+    row = run_update(st, ctx, groups)
     monkeypatch.undo()
     assert calls == ["tolist"], calls
     assert math.isfinite(row["loss"]) and len(row["seq_log_ratio"]) == 64

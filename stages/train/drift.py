@@ -68,7 +68,7 @@ def round_drift(model, pool, groups: list[int], cfg, pad_id: int, rt) -> dict[st
     each rank its shard, the sums added over ranks."""
     m, total = pool.group_size, torch.zeros(4, dtype=torch.float64)
     for chunk, real in my_micro_batches(pool, groups, cfg.train, rt.packed):
-        b = batch(pool, chunk, pad_id, rt.packed)
+        b = batch(pool, chunk, pad_id, rt.packed, rt.bucket_overhead)
         lp, _ = policy_logprobs(model, b, rt, cfg.rollout.temperature)
         if not real:             # a rank's padding pass: the collective only
             continue

@@ -8,6 +8,9 @@ Then: global grad norm (before clipping), clip, a finiteness check (a bad update
 applied), the optimizer step, reference refresh every t_ref updates, a metrics row, and
 an atomic checkpoint every `checkpoint_every` updates. Device, precision and gradient
 checkpointing come prepared in a `Runtime` (pipeline/runtime.py); the loss never sees them.
+The functions take two objects: `TrainState` (what updates change and checkpoints keep:
+policy, reference, optimizer, update index, lp_old, ESS block, reference cache) and
+`TrainContext` (frozen: config, pool, runtime, pad id, loss, the run's schedule and folder).
 Under torchrun (distributed.py) every rank runs this same loop on its shard of each
 update's groups; T_tot, the metrics and the ESS block stay global.
 """
@@ -17,8 +20,10 @@ import logging
 import math
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -32,9 +37,9 @@ from pipeline.runtime import Runtime, make_runtime
 from pipeline.store import disk_full, is_disk_full
 from stages.train import checkpoint, distributed
 from stages.train.diagnostics import micro_batch_stats, normalized_ess
-from stages.train.losses import LossInputs, get_loss
+from stages.train.losses import LossFn, LossInputs, get_loss
 from stages.train.order import groups_for_update
-from stages.train.policy import Batch, token_logprobs
+from stages.train.policy import Batch, Buckets, token_logprobs
 from stages.train.pool import LP_BEH_FLOOR, Pool, batch, check_token_ids, load_pool, micro_batches, padded_rows, stack_groups  # noqa: F401 - loop's API too
 from stages.train.reference import ReferenceCache
 
@@ -43,7 +48,7 @@ log = logging.getLogger("ggpo")
 BEHAVIOR_DIAGNOSTICS = ("k3_mismatch", "abs_log_ratio", "max_abs_log_ratio")
 
 
-def policy_logprobs(model, batch: Batch, rt: Runtime, temperature: float, with_entropy: bool = False,
+def policy_logprobs(model, batch: Batch | Buckets, rt: Runtime, temperature: float, with_entropy: bool = False,
                     device: torch.device | None = None):
     """token_logprobs on the model's device under the runtime's precision; results on rt.device."""
     with rt.autocast((device or rt.device).type):
@@ -59,16 +64,52 @@ def group_rows(lp: torch.Tensor, pool: Pool, groups: list[int]) -> dict[int, tor
     return {g: lp[j * m:(j + 1) * m, :max(len(r) for r in pool.responses[g])] for j, g in enumerate(groups)}
 
 
+@dataclass(frozen=True)
+class TrainContext:
+    """What a run of updates reads and none of its updates changes: the config, the pool and
+    its pad id, the runtime (device, precision, batch layout) and the method's loss; for
+    run_updates also its schedule (`groups_of(u)`: update u's pool positions;
+    `step_groups_of(u)`: every group of the step starting at u, the step anchor's), its
+    progress label and, for the offline stage, where it writes (`folder`: checkpoints and
+    snapshots, `tokenizer`: saved with each snapshot; None in an online cell, which
+    checkpoints at round boundaries). What changes lives in TrainState."""
+    cfg: PipelineConfig
+    pool: Pool
+    rt: Runtime
+    pad_id: int
+    groups_of: Callable[[int], list[int]] | None = None
+    step_groups_of: Callable[[int], list[int]] | None = None
+    desc: str = "train"
+    folder: Path | None = None
+    tokenizer: Any = None
+    loss: LossFn = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "loss", get_loss(self.cfg.train.method))
+
+    @property
+    def tc(self) -> TrainConfig:
+        return self.cfg.train
+
+    @property
+    def temperature(self) -> float:
+        return self.cfg.rollout.temperature
+
+    def batch(self, groups: list[int]) -> Batch | Buckets:
+        """The model input of some whole groups in this runtime's layout."""
+        return batch(self.pool, groups, self.pad_id, self.rt.packed, self.rt.bucket_overhead)
+
+
 @torch.no_grad()
-def step_anchor(model, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_id: int,
-                rt: Runtime) -> dict[int, torch.Tensor]:
+def step_anchor(model, ctx: TrainContext, groups: list[int]) -> dict[int, torch.Tensor]:
     """lp_old (spec 8.1): the trainer's log-probs of a step's groups at the step start,
     {group: [m, T_g]} on the training device."""
     out: dict[int, torch.Tensor] = {}
-    for chunk, real in my_micro_batches(pool, sorted(set(groups)), cfg.train, rt.packed):
-        lp, _ = policy_logprobs(model, batch(pool, chunk, pad_id, rt.packed), rt, cfg.rollout.temperature)
+    rt = ctx.rt
+    for chunk, real in my_micro_batches(ctx.pool, sorted(set(groups)), ctx.tc, rt.packed):
+        lp, _ = policy_logprobs(model, ctx.batch(chunk), rt, ctx.temperature)
         if real:
-            out |= group_rows(lp, pool, chunk)
+            out |= group_rows(lp, ctx.pool, chunk)
     d = distributed.current()     # each rank did its shard; every rank keeps the whole anchor
     if d is None:
         return out
@@ -97,47 +138,44 @@ class MicroBatch:
     max_abs_log_ratio: torch.Tensor
 
 
-def micro_batch_loss(model, reference, pool: Pool, groups: list[int], tc: TrainConfig, temperature: float,
-                     pad_id: int, t_tot: int, n_seq: int, lp_old: dict[int, torch.Tensor] | None, rt: Runtime,
-                     ref_cache: ReferenceCache) -> MicroBatch:
-    """Loss, metrics and diagnostics of some whole groups; nothing leaves the device."""
-    m = pool.group_size
-    b = batch(pool, groups, pad_id, rt.packed)
-    lp, entropy = policy_logprobs(model, b, rt, temperature, with_entropy=True)
-    shape = (len(groups), m, b.mask.shape[1])
+def micro_batch_loss(st: TrainState, ctx: TrainContext, groups: list[int], t_tot: int, n_seq: int) -> MicroBatch:
+    """Loss, metrics and diagnostics of some whole groups of the update whose totals are
+    t_tot tokens and n_seq responses; nothing leaves the device."""
+    pool, rt, tc = ctx.pool, ctx.rt, ctx.tc
+    lp_old = st.lp_old if tc.needs_step_anchor() else None
+    b = ctx.batch(groups)
+    lp, entropy = policy_logprobs(st.model, b, rt, ctx.temperature, with_entropy=True)
+    shape = (len(groups), pool.group_size, b.mask.shape[1])
 
     def stacked(rows: list[torch.Tensor]) -> torch.Tensor:
         return stack_groups(rows, shape[2], rt.device, lp.dtype)
-    lp_ref = ref_cache.get(reference, pool, groups, pad_id, rt, temperature, policy_logprobs)
+    lp_ref = st.ref_cache.get(st.reference, pool, groups, ctx.pad_id, rt, ctx.temperature, policy_logprobs)
     lp_beh = stacked([pool.behavior(g) for g in groups]) if pool.has_behavior else None
     inputs = LossInputs(lp=lp.view(shape), lp_beh=lp_beh,
                         lp_ref=stacked(lp_ref), mask=b.mask.view(shape).to(rt.device),
                         rewards=pool.rewards[groups].to(rt.device, torch.float32),
                         t_tot=float(t_tot), n_seq_tot=n_seq,
                         lp_old=None if lp_old is None else stacked([lp_old[g] for g in groups]))
-    loss, metrics = get_loss(tc.method)(inputs, tc)
+    loss, metrics = ctx.loss(inputs, tc)
     stats = micro_batch_stats(inputs, tc.beta)
     sums = metrics | {"loss": loss.detach(), "entropy": entropy.sum() / t_tot}
     sums |= {k: v for k, v in stats.items() if k not in ("seq_log_ratio", "max_abs_log_ratio")}
     return MicroBatch(loss, sums, stats["seq_log_ratio"], stats["max_abs_log_ratio"])
 
 
-def run_update(model, reference, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_id: int,
-               lp_old: dict[int, torch.Tensor] | None = None, runtime: Runtime | None = None,
-               ref_cache: ReferenceCache | None = None) -> dict:
-    """Forward/backward of one optimizer update (no step); returns its metrics row (plus
-    `seq_log_ratio`, the responses' s_i, for the block ESS). Everything stays on the device
-    until the update's end, then one transfer brings it to the host (`to_host`)."""
-    tc, m = cfg.train, pool.group_size
+def run_update(st: TrainState, ctx: TrainContext, groups: list[int]) -> dict:
+    """Forward/backward of one optimizer update on `groups` (no step; st.lp_old is the step
+    anchor where the method reads one); returns its metrics row (plus `seq_log_ratio`, the
+    responses' s_i, for the block ESS). Everything stays on the device until the update's
+    end, then one transfer brings it to the host (`to_host`)."""
+    tc, pool, m = ctx.tc, ctx.pool, ctx.pool.group_size
     t_tot = sum(len(r) for g in groups for r in pool.responses[g])
-    rt = runtime or make_runtime(tc)
-    ref_cache = ref_cache if ref_cache is not None else ReferenceCache(enabled=False)
+    model = st.model
     parts: list[MicroBatch] = []
-    for chunk, real in my_micro_batches(pool, groups, tc, rt.packed):
+    for chunk, real in my_micro_batches(pool, groups, tc, ctx.rt.packed):
         if interrupt.requested() and distributed.current() is None:   # ranks stop together or not at all
             raise interrupt.Interrupted("mid-update")     # the update is dropped; the caller checkpoints
-        out = micro_batch_loss(model, reference, pool, chunk, tc, cfg.rollout.temperature, pad_id, t_tot,
-                               len(groups) * m, lp_old, rt, ref_cache)
+        out = micro_batch_loss(st, ctx, chunk, t_tot, len(groups) * m)
         if not real:             # a rank's padding pass: collectives only, no contribution
             (out.loss * 0.0).backward()
             continue
@@ -274,18 +312,16 @@ def _step_groups(u: int, tc: TrainConfig, n_groups: int, seed: int) -> list[int]
     return [g for v in step for g in groups_for_update(v, tc.groups_per_update, n_groups, seed)]
 
 
-def one_update(st: TrainState, pool: Pool, groups: list[int], cfg: PipelineConfig, pad_id: int,
-               rt: Runtime, ckpt_dir: Path | None) -> dict:
+def one_update(st: TrainState, ctx: TrainContext, groups: list[int]) -> dict:
     """Update st.update + 1 on `groups`: forward/backward, finiteness check (a bad update is
     never applied), optimizer step, reference refresh, ESS block; returns its metrics row."""
-    tc, u, t0 = cfg.train, st.update, time.perf_counter()
-    needs_anchor, t_ref = tc.needs_step_anchor(), tc.refresh_every()
-    row = run_update(st.model, st.reference, pool, groups, cfg, pad_id, st.lp_old if needs_anchor else None, rt,
-                     st.ref_cache)
+    tc, u, t0 = ctx.tc, st.update, time.perf_counter()
+    t_ref, pool = tc.refresh_every(), ctx.pool
+    row = run_update(st, ctx, groups)
     if not (math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])):
+        kept = f"in {ctx.folder / 'checkpoints'}" if ctx.folder is not None else "at the last round boundary"
         raise NonFiniteUpdate(f"update {u + 1} (method {tc.method}): non-finite loss {row['loss']} or grad norm "
-                            f"{row['grad_norm']}; the last good checkpoint is kept "
-                            f"{f'in {ckpt_dir}' if ckpt_dir else 'at the last round boundary'}")
+                            f"{row['grad_norm']}; the last good checkpoint is kept {kept}")
     st.opt.step()
     st.opt.zero_grad(set_to_none=True)
     refresh = t_ref is not None and (u + 1) % t_ref == 0   # spec 7: refresh after update u
@@ -302,18 +338,20 @@ def one_update(st: TrainState, pool: Pool, groups: list[int], cfg: PipelineConfi
                   "ref_refreshed": refresh}
 
 
-def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, folder: Path | None, stop: int,
-                groups_of, step_groups_of, rt: Runtime, desc: str, after_update=None) -> TrainState:
-    """Updates st.update .. stop-1. groups_of(u): update u's pool positions; step_groups_of(u):
-    every group of the step starting at u (the step anchor's groups, at u % N == 0).
-    With a folder (the offline train stage): snapshots after the updates in
-    train.snapshot_updates (before the checkpoint, so a resume never skips one), a checkpoint
-    every train.checkpoint_every updates, after the last, and when interrupted. Without one
-    (an online cell, which checkpoints at round boundaries): `after_update(u)` after each."""
-    tc, pad_id = cfg.train, tokenizer.pad_token_id
+def run_updates(st: TrainState, ctx: TrainContext, stop: int, after_update=None) -> TrainState:
+    """Updates st.update .. stop-1 on ctx's schedule (ctx.groups_of, ctx.step_groups_of: the
+    step anchor's groups, at u % N == 0). With ctx.folder (the offline train stage):
+    snapshots after the updates in train.snapshot_updates (before the checkpoint, so a resume
+    never skips one), a checkpoint every train.checkpoint_every updates, after the last, and
+    when interrupted. Without one (an online cell, which checkpoints at round boundaries):
+    `after_update(u)` after each."""
+    tc, folder, desc = ctx.tc, ctx.folder, ctx.desc
+    if ctx.groups_of is None or ctx.step_groups_of is None:
+        raise ValueError("run_updates needs a TrainContext with groups_of and step_groups_of")
+    groups_of, step_groups_of = ctx.groups_of, ctx.step_groups_of
     ckpt_dir = folder / "checkpoints" if folder is not None else None
     snapshots = set(tc.snapshot_updates()) if folder is not None else set()
-    check_token_ids(pool, st.model.config.vocab_size)
+    check_token_ids(ctx.pool, st.model.config.vocab_size)
     st.ref_cache = ReferenceCache(enabled=tc.reference_cache)    # a pool's groups: a cache of their own
     st.model.train()
     with Progress(desc, total=stop, unit="update", start=st.update) as bar:
@@ -323,8 +361,8 @@ def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, fold
                 if interrupt.requested() and distributed.current() is None:
                     raise interrupt.Interrupted("between updates")
                 if tc.needs_step_anchor() and u % tc.updates_per_step == 0:
-                    st.lp_old = step_anchor(st.model, pool, step_groups_of(u), cfg, pad_id, rt)
-                row = one_update(st, pool, groups_of(u), cfg, pad_id, rt, ckpt_dir)
+                    st.lp_old = step_anchor(st.model, ctx, step_groups_of(u))
+                row = one_update(st, ctx, groups_of(u))
             except interrupt.Interrupted:
                 # the state after the last complete update: a rerun resumes exactly there
                 st.opt.zero_grad(set_to_none=True)
@@ -333,7 +371,7 @@ def run_updates(st: TrainState, pool: Pool, cfg: PipelineConfig, tokenizer, fold
                 raise interrupt.stopped(f"{desc} at update {st.update}") from None
             st.rows.append(row)
             if u + 1 in snapshots and u + 1 < stop and folder is not None:     # snapshots: with a folder only
-                save_policy(st.model, tokenizer, snapshot_dir(folder, u + 1))
+                save_policy(st.model, ctx.tokenizer, snapshot_dir(folder, u + 1))
             if ckpt_dir is not None and ((u + 1) % tc.checkpoint_every == 0 or u + 1 == stop):
                 save_checkpoint(st, ckpt_dir, tc)
             if after_update is not None:
@@ -349,8 +387,10 @@ def train(cfg: PipelineConfig, pool: Pool, base_path: str, tokenizer, folder: Pa
     tc, rt, n_groups = cfg.train, make_runtime(cfg.train), len(pool.group_ids)
     ckpt_dir = folder / "checkpoints"
     st = resume(new_state(cfg, base_path, base_path, rt), checkpoint.load(ckpt_dir), ckpt_dir)
-    run_updates(st, pool, cfg, tokenizer, folder, tc.updates,
-                lambda u: groups_for_update(u, tc.groups_per_update, n_groups, cfg.seed),
-                lambda u: _step_groups(u, tc, n_groups, cfg.seed), rt, f"train {tc.method} seed {cfg.seed}")
+    ctx = TrainContext(cfg, pool, rt, tokenizer.pad_token_id,
+                       groups_of=lambda u: groups_for_update(u, tc.groups_per_update, n_groups, cfg.seed),
+                       step_groups_of=lambda u: _step_groups(u, tc, n_groups, cfg.seed),
+                       desc=f"train {tc.method} seed {cfg.seed}", folder=folder, tokenizer=tokenizer)
+    run_updates(st, ctx, tc.updates)
     save_policy(st.model, tokenizer, folder / "model")
     return st

@@ -11,6 +11,11 @@ Packed micro-batches (train.packing, policy.make_batch) hold no padding: their c
 their tokens, so `pack_tokens` closes a micro-batch when the next group's tokens would pass
 the budget.
 
+Bucketed rows (`bucket_rows`, where packing's attention is not available: the CPU): a padded
+micro-batch's rows, sorted by length, run as a few padded forwards instead of one, each padded
+to its own longest row; the cost model is rows x width per forward plus a fixed cost per
+forward in token-equivalents, and the split minimizing it is found exactly (policy.Buckets).
+
 The loss is token-mean over the whole update with the global T_tot (losses.py), so how
 an update is split never changes its value, only the floating-point summation order.
 """
@@ -67,3 +72,26 @@ def pack_tokens(groups: list[int], tokens: dict[int, int], budget: int) -> list[
 def split_by_count(groups: list[int], per_batch: int) -> list[list[int]]:
     """The older split: `per_batch` groups per micro-batch, in update order."""
     return [groups[i:i + per_batch] for i in range(0, len(groups), per_batch)]
+
+
+def bucket_rows(lengths: list[int], overhead: float) -> list[list[int]]:
+    """Rows (their padded lengths) -> buckets of row indices, shortest first, minimizing
+    sum over buckets of (rows x longest row + overhead): the padded tokens a forward of each
+    bucket computes plus a fixed cost per forward in token-equivalents (python, kernel
+    launches, the mask). Rows are sorted by length (ties in index order), so an optimal
+    split is contiguous in that order and cuts only where the length changes; a dynamic
+    program over those cut points finds it exactly. overhead = inf: one bucket."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    sl = [lengths[i] for i in order]
+    n = len(sl)
+    # bucket ends: after the last row of each distinct length (and the end)
+    ends = [j for j in range(1, n + 1) if j == n or sl[j] != sl[j - 1]]
+    best: dict[int, tuple[float, int]] = {0: (0.0, 0)}     # end -> (cost, start of its last bucket)
+    for j in ends:
+        best[j] = min((best[i][0] + (j - i) * sl[j - 1] + overhead, i) for i in best if i < j)
+    cuts, j = [], n
+    while j > 0:
+        i = best[j][1]
+        cuts.append(order[i:j])
+        j = i
+    return cuts[::-1]

@@ -12,6 +12,11 @@ A batch holds B rows `prompt + response` in one of two layouts (`make_batch`):
   batch: without them transformers derives both from `position_ids` in every layer, a
   device-to-host read each. A micro-batch then costs its real tokens, not rows x its
   longest row.
+- bucketed (`Buckets`, where packing's attention is unavailable: the CPU): the rows sorted by
+  length and split into a few padded batches, each as wide as its own longest row
+  (packing.bucket_rows chooses the split), one forward each; their [b, T_b] log-probs are
+  put back into the rows' original order, so the result (and its gradient) is the padded
+  layout's up to rounding: every row's values depend on that row alone.
 Either way response token t of row b is predicted at one position of the model's output:
 `sel_rows[k], sel_cols[k]` for the k-th response token in row-major (b, t) order, and
 `flat_index[k] = b * T + t` puts its log-prob back into the [B, T] result. These index
@@ -30,8 +35,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 import torch
+import torch.nn.functional as F
 
 from stages.train.lm_head import chunked_logprobs, hidden_for_targets, lm_head_weight
+from stages.train.packing import bucket_rows
 
 
 @dataclass
@@ -71,9 +78,42 @@ class Batch:
         return Batch(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
+@dataclass
+class Buckets:
+    """A padded micro-batch run as several padded batches of similar-length rows: parts[k]
+    holds rows rows[k] (original indices); `inverse` puts the parts' concatenated rows back
+    in the original order; `mask` is the whole micro-batch's [B, T]."""
+    parts: list[Batch]
+    inverse: torch.Tensor                # [B] long
+    mask: torch.Tensor                   # [B, T] float
+    packed = False
+
+    def to(self, device: torch.device) -> "Buckets":
+        return Buckets([p.to(device) for p in self.parts], self.inverse.to(device), self.mask.to(device))
+
+
 def make_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int,
-               packed: bool = False) -> Batch:
-    """Rows prompt + response, padded [B, L] or packed [1, sum]; see the module docstring."""
+               packed: bool = False, bucket_overhead: float | None = None) -> Batch | Buckets:
+    """Rows prompt + response, padded [B, L] or packed [1, sum]; padded rows in buckets of
+    similar length when `bucket_overhead` (a forward's fixed cost in padded tokens,
+    packing.bucket_rows) is given and splitting pays; see the module docstring."""
+    if bucket_overhead is not None and not packed and len(response_ids) > 1:
+        rows = bucket_rows([len(p) + len(r) for p, r in zip(prompt_ids, response_ids)], bucket_overhead)
+        if len(rows) > 1:
+            return _buckets(prompt_ids, response_ids, pad_id, rows)
+    return _one_batch(prompt_ids, response_ids, pad_id, packed)
+
+
+def _buckets(prompt_ids, response_ids, pad_id: int, rows: list[list[int]]) -> Buckets:
+    parts = [_one_batch([prompt_ids[i] for i in r], [response_ids[i] for i in r], pad_id, False) for r in rows]
+    order = torch.tensor([i for r in rows for i in r], dtype=torch.long)
+    mask = torch.zeros((len(response_ids), max(max(map(len, response_ids)), 1)))
+    for b, r in enumerate(response_ids):
+        mask[b, :len(r)] = 1.0
+    return Buckets(parts, torch.argsort(order), mask)
+
+
+def _one_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_id: int, packed: bool) -> Batch:
     rows = [p + r for p, r in zip(prompt_ids, response_ids)]
     t_max = max(max(map(len, response_ids)), 1)
     mask = torch.zeros((len(rows), t_max))
@@ -117,10 +157,12 @@ def scatter_rows(flat: torch.Tensor, batch: Batch) -> torch.Tensor:
     return out.scatter(0, batch.flat_index, flat).view(batch.mask.shape)
 
 
-def token_logprobs(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False,
+def token_logprobs(model, batch: Batch | Buckets, temperature: float = 1.0, with_entropy: bool = False,
                    impl: str = "chunked", chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(lp [B, T] fp32, entropy [B, T] fp32 or None); lp carries gradient if grad is
     enabled, entropy never does (a diagnostic). Padding positions hold 0."""
+    if isinstance(batch, Buckets):
+        return _bucketed_logprobs(model, batch, temperature, with_entropy, impl, chunk_tokens)
     if impl == "full":
         return _full_logprobs(model, batch, temperature, with_entropy)
     hidden = hidden_for_targets(model, batch.input_ids, batch.attention_mask, batch.sel_rows, batch.sel_cols,
@@ -144,3 +186,18 @@ def _full_logprobs(model, batch: Batch, temperature: float, with_entropy: bool):
         with torch.no_grad():
             entropy = scatter_rows(-(logp.exp() * logp).sum(-1), batch)
     return lp, entropy
+
+
+def _bucketed_logprobs(model, buckets: Buckets, temperature: float, with_entropy: bool, impl: str,
+                       chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward per bucket; each [b, T_b] result is zero-padded to T, the parts stacked
+    and their rows put back in the original order (index_select: differentiable)."""
+    width = buckets.mask.shape[1]
+    lps, ents = [], []
+    for part in buckets.parts:
+        lp, ent = token_logprobs(model, part, temperature, with_entropy, impl, chunk_tokens)
+        lps.append(F.pad(lp, (0, width - lp.shape[1])))
+        if ent is not None:
+            ents.append(F.pad(ent, (0, width - ent.shape[1])))
+    lp = torch.cat(lps).index_select(0, buckets.inverse)
+    return lp, (torch.cat(ents).index_select(0, buckets.inverse) if ents else None)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pipeline.config import TrainConfig
 from pipeline.errors import TrainingError
 from stages.train.packing import group_width, pack_groups, pack_tokens, split_by_count
-from stages.train.policy import Batch, make_batch
+from stages.train.policy import Batch, Buckets, make_batch
 
 
 @dataclass
@@ -132,11 +132,13 @@ def stack_groups(rows: list[torch.Tensor], width: int, device: torch.device, dty
     return torch.stack([F.pad(r.to(device=device, dtype=dtype), (0, width - r.shape[1])) for r in rows])
 
 
-def batch(pool: Pool, groups: list[int], pad_id: int, packed: bool = False) -> Batch:
-    """The model input of some whole groups (rows g0 s0..s(m-1), g1 s0, ...)."""
+def batch(pool: Pool, groups: list[int], pad_id: int, packed: bool = False,
+          bucket_overhead: float | None = None) -> Batch | Buckets:
+    """The model input of some whole groups (rows g0 s0..s(m-1), g1 s0, ...); padded rows
+    in length buckets when `bucket_overhead` is given (policy.make_batch)."""
     m = pool.group_size
     return make_batch([pool.prompt_ids[g] for g in groups for _ in range(m)],
-                      [r for g in groups for r in pool.responses[g]], pad_id, packed)
+                      [r for g in groups for r in pool.responses[g]], pad_id, packed, bucket_overhead)
 
 
 def micro_batches(pool: Pool, groups: list[int], tc: TrainConfig, packed: bool = False) -> list[list[int]]:

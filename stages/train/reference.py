@@ -39,7 +39,7 @@ class ReferenceCache:
             rows = self.rows.get(g)
             if rows is None:
                 with torch.no_grad():
-                    lp, _ = logprobs(reference, batch(pool, [g], pad_id, rt.packed), rt, temperature,
+                    lp, _ = logprobs(reference, batch(pool, [g], pad_id, rt.packed, rt.bucket_overhead), rt, temperature,
                                      device=rt.reference_device)
                 rows = lp.detach()
                 self.computed += 1
