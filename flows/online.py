@@ -24,32 +24,32 @@ import polars as pl
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run
 
-from flows.offline import Runner, cancelled, publish_report
-from pipeline import dag, grading, interrupt, online_report, orchestration, placement, progress, tracking
+from flows.common import FlowRun, Report, Runner, run_flow
+from pipeline import online_report, orchestration, placement, progress, tracking
 from pipeline.config import PipelineConfig
 from pipeline.grid import Cell
-from pipeline.preflight import check_run
-from pipeline.stage import build_slot, set_parallel_builds
+from pipeline.stage import build_slot
 from pipeline.store import Manifest, Store, write_text_atomic
-from stages.online_cell import run_cell
+from stages.online_cell import CellResult, run_cell
 
 
 @task(task_run_name="{run_name}", cache_policy=NO_CACHE, retries=0)
-def cell_task(cfg: PipelineConfig, base: Manifest, run_name: str, cell_run_id: str | None = None) -> dict:
-    """One resident cell, all its rounds; its counts (engine starts, rounds sampled, ...)."""
+def cell_task(cfg: PipelineConfig, base: Manifest, run_name: str, cell_run_id: str | None = None) -> CellResult:
+    """One resident cell, all its rounds; its counts (engine starts, rounds sampled, ...)
+    and the manifests it wrote (small: keys, paths, hashes)."""
     store = Store()
     base = store.resolve(base)
     log = RoundLog(cell_run_id, run_name)
     with build_slot():
         try:
-            counts = run_cell(cfg, store, base, on_round=log.add)
+            result = run_cell(cfg, store, base, on_round=log.add)
         except BaseException:
             with contextlib.suppress(Exception):     # the points so far; the cell's own error goes on
                 log.publish()
             raise
     log.publish()       # the rounds since the last batch
+    counts = result.counts
     get_run_logger().info("%s: %s", run_name, {k: v for k, v in counts.items() if k not in ("folder", "stalled")})
     if counts.get("stalled"):
         get_run_logger().warning("%s stopped after update %d: %s", run_name, counts["stalled"]["update"],
@@ -57,7 +57,7 @@ def cell_task(cfg: PipelineConfig, base: Manifest, run_name: str, cell_run_id: s
     if cell_run_id:
         tracking.log_params_metrics(tracking.client(), cell_run_id, {}, tracking.summary_metrics(
             {f"cell/{k}": v for k, v in counts.items() if isinstance(v, int)}))
-    return counts
+    return result
 
 
 PUBLISH_EVERY = 8      # rounds per batch of MLflow points and Prefect table versions
@@ -132,15 +132,13 @@ def submit_cells(step: Runner, cells: list[Cell], runs: dict[str, str]) -> tuple
     return futures, evals
 
 
-def submit_evaluations(step: Runner, cell: Cell, store: Store, counts: dict) -> list:
-    """A finished cell's evaluation points: its kept policies, each evaluated. A cell that
-    stalled (online.on_stall) has the points before its stop and its policy at the stop."""
+def submit_evaluations(step: Runner, cell: Cell, done: CellResult) -> list:
+    """A finished cell's evaluation points: the policies it kept, each evaluated. A cell
+    that stopped early (a stall, the drift guard) kept the points before its stop and its
+    policy at the stop."""
     out = []
-    for at in cell.config.train.online_eval_updates(counts["rounds"]):
+    for at, policy in sorted(done.policies.items()):
         ce = cell.config.updated({"eval.target": "online", "eval.update": at})
-        policy = store.load("online_policy", dag.expected_key("online_policy", ce))
-        if policy is None:
-            raise RuntimeError(f"cell {cell_name(cell)} finished without its policy after update {at}")
         out.append(({"cell": cell, "update": at}, step("evaluate", ce, {"model": policy}, f"evaluate-{cell_name(cell)}-u{at}")))
     return out
 
@@ -151,22 +149,17 @@ def collect(cells: list[Cell], futures: list, evals: list, step: Runner, cfg: Pi
     evaluations; (evaluations, per-update curves) with each cell's columns. Each cell run
     gets its evaluations as metrics and its round records as one artifact."""
     store, key, records, curves = Store(), f"mean_at_{cfg.eval.n_samples}", [], []
-    done = {}
+    done: dict[str, CellResult] = {}
     for cell, future in zip(cells, futures):
         done[cell_name(cell)] = future.result()
-        evals += submit_evaluations(step, cell, store, done[cell_name(cell)])
+        evals += submit_evaluations(step, cell, done[cell_name(cell)])
     for stub, future in evals:
         cell, m = stub["cell"], future.result()
         records.append(online_report.record(cell, cfg, stub["update"], m))
         tracking.log_params_metrics(client, runs[cell_name(cell)], {}, [(f"eval/{key}", m.summary[key], stub["update"])])
     for cell in cells:
-        c = cell.config
-        manifests = []
-        for r in range(done[cell_name(cell)]["rounds"]):
-            m = store.load("online_train", dag.online_keys(c, r)["online_train"])
-            if m is None:
-                raise RuntimeError(f"cell {cell_name(cell)} finished without the record of its round {r}")
-            manifests.append(m)
+        # the cell's own records (made on another machine under Ray: read where the store has them here)
+        manifests = [store.resolve(r.trained) for r in done[cell_name(cell)].rounds]
         curves.append(online_report.cell_curves(cell, cfg, manifests))
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "rounds.json"
@@ -183,31 +176,17 @@ def ggpo_online(preset: str = "tiny-online", overrides: dict[str, Any] | None = 
 
     preset: a file in pipeline/presets; overrides: {"train.updates_per_step": 4, ...};
     force: stage names to recompute even when cached."""
-    # config, cells, online geometry, device, engine, model, data, disk: before any work
-    cfg, cells = check_run("online", preset, overrides, force)
-    placement.use(cfg)      # threads or Ray (experiment.task_runner): connected before any work
-    if cfg.experiment.task_runner == "threads":    # Ray workers start their own, lazily
-        grading.start_pool(cfg.verify.workers)
-    tags = tracking.run_tags("online", preset, cfg, str(flow_run.get_id() or ""))
-    title = tracking.run_title("online", preset, overrides or {}, cfg)
-    step = None
-    with interrupt.handlers():      # Ctrl-C / a cancelled deployment run: stop at safe points
-        try:
-            with tracking.parent_run(title, cfg.model_dump(mode="json"), tags, tracking.EXPERIMENTS["online"]) \
-                    as (client, parent):
-                set_parallel_builds(cfg.experiment.parallel)
-                runs = cell_runs(client, parent, cells)
-                step = Runner(set(force or []), parent)
-                futures, evals = submit_cells(step, cells, runs)
-                evaluations, curves = collect(cells, futures, evals, step, cfg, client, runs)
-                folder = tracking.report_folder("online", preset)
-                result = online_report.log(client, parent, evaluations, curves, cfg, folder)
-        except Exception:
-            if not interrupt.requested():
-                raise
-            return cancelled(step)  # type: ignore[return-value]  # a returned State ends the run Cancelled; callers get no State
-    publish_report(result, evaluations.to_dicts(), preset)
-    link = tracking.run_link(parent, client.get_run(parent).info.experiment_id)
-    print(f"{result['table']}\nreport files: {folder}\nMLflow parent run: {link or parent}")
-    return result | {"mlflow_parent_run_id": parent, "records": evaluations.to_dicts(), "report_folder": str(folder),
-                     "mlflow_link": link}
+    # a returned State ends the run Cancelled (a stop request); callers get no State
+    return run_flow("online", preset, overrides, force, algorithm_1)  # type: ignore[return-value]
+
+
+def algorithm_1(run: FlowRun) -> Report:
+    """Every cell's rounds (sync, sample with refill, N updates) in its resident task, the
+    base model evaluated once per seed and each cell's kept policies as its cell finishes;
+    then the report (pipeline/online_report.py)."""
+    runs = cell_runs(run.client, run.parent, run.cells)
+    futures, evals = submit_cells(run.step, run.cells, runs)
+    evaluations, curves = collect(run.cells, futures, evals, run.step, run.cfg, run.client, runs)
+    folder = tracking.report_folder("online", run.preset)
+    result = online_report.log(run.client, run.parent, evaluations, curves, run.cfg, folder)
+    return Report(result, evaluations.to_dicts(), folder)

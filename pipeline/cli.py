@@ -419,8 +419,8 @@ def stage_online(cfg, store: Store, args) -> int:
     resumed from its checkpoint and cached rounds; prints its counts and last round."""
     from stages.online_cell import run_cell
     base = dag.run("base", cfg, {}, store)
-    counts = run_cell(cfg, store, base)
-    last = store.load("online_train", counts["final_round"])
+    result = run_cell(cfg, store, base)
+    counts, last = result.counts, result.last
     assert last is not None     # run_cell returns after recording its last round (there is at least one)
     print(f"online cell {cfg.train.method} seed {cfg.seed}: {counts['rounds']} rounds, {counts['update']} updates\n"
           f"  counts {json.dumps({k: v for k, v in counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})}\n"

@@ -31,6 +31,12 @@ class BenchmarkError(ExpectedError, ValueError):
     """A benchmark file (eval.data_dir) that cannot be read."""
 
 
+class MissingContext(ConfigError):
+    """A stage built only by a process that holds what it needs in memory (an online cell's
+    engine or learner) was asked to build without it: its artifact is not cached, and the
+    message names what builds it."""
+
+
 class StoreError(ConfigError):
     """The artifact store cannot be used (URL, credentials, endpoint, permissions)."""
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import cast
 
 import polars as pl
 
-from pipeline import dag, grid
+from pipeline import dag, grid, tracking
+from pipeline.config import PipelineConfig
 from pipeline.store import write_file_atomic, write_text_atomic
 
 # the offline diagnostics table's columns (TRAIN_METRICS), drift from the pool first
@@ -236,3 +238,38 @@ def pass_at_k_figure(t3: pl.DataFrame, ks: list[int], path: Path) -> None:
     fig.tight_layout()
     write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=100))
     plt.close(fig)
+
+
+def write_benchmarks(finals: list[pl.DataFrame], cfg: PipelineConfig, folder: Path) -> list[Path]:
+    """Table 1 / Table 3 forms and the pass@K figure from the final evaluations."""
+    ks = [k for k in cfg.eval.pass_k if k <= cfg.eval.n_samples]
+    t1_md, t3_md, t1, t3 = benchmark_tables(pl.concat(finals, how="diagonal_relaxed"), cfg.eval.n_samples, ks)
+    paths = [folder / n for n in ("benchmarks.md", "benchmarks.csv", "pass_at_k.md", "pass_at_k.csv", "pass_at_k.png")]
+    write_text_atomic(paths[0], t1_md)
+    write_file_atomic(paths[1], t1.write_csv)
+    write_text_atomic(paths[2], t3_md)
+    write_file_atomic(paths[3], t3.write_csv)
+    pass_at_k_figure(t3, ks, paths[4])
+    return paths
+
+
+def log(client, parent: str, records: list[dict], curves: list[pl.DataFrame], finals: list[pl.DataFrame],
+        cfg: PipelineConfig, folder: Path) -> dict:
+    """The offline flow's report: its files into `folder` and the MLflow parent run's
+    report/, its summary metrics (final and base accuracy) on that run; {table, summary}."""
+    evals = pl.DataFrame(records)
+    metric = f"mean@{cfg.eval.n_samples}"
+    paths = write(evals, pl.concat(curves), folder, metric)
+    extra = write_benchmarks(finals, cfg, folder)
+    for path in list(paths.values()) + extra:
+        client.log_artifact(parent, str(path), artifact_path="report")
+    table = paths["markdown"].read_text() + "\n" + extra[0].read_text() + "\n" + extra[2].read_text()
+    by = label_column(evals)        # "cell" with a grid, else "method"
+    final = evals.filter(pl.col("update") == pl.col("update").max().over(by))
+    # polars types a mean as any scalar: of these non-empty float columns it is a float
+    summary = {f"final_{metric.replace('@', '_at_')}/{grid.slug(m)}": cast(float, final.filter(pl.col(by) == m)["accuracy"].mean())
+               for m in final[by].unique(maintain_order=True)}
+    base = evals.filter(pl.col("update") == 0)["accuracy"].mean()
+    summary[f"base_{metric.replace('@', '_at_')}"] = cast(float, base)
+    tracking.log_params_metrics(client, parent, {}, tracking.summary_metrics(summary))
+    return {"table": table, "summary": summary}

@@ -75,10 +75,16 @@ EVAL_SAMPLES = pa.schema([
 ])
 
 
+def typed_table(rows: dict[str, list] | pa.Table, schema: pa.Schema) -> pa.Table:
+    """`rows` (column lists or a table) as `schema`'s columns and types: what write_parquet
+    writes, so a table handed on in memory holds the values a re-read of the file gives."""
+    table = rows if isinstance(rows, pa.Table) else pa.table(rows, schema=schema)
+    return table.select(schema.names).cast(schema)
+
+
 def write_parquet(rows: dict[str, list] | pa.Table, schema: pa.Schema, path: Path) -> int:
     """Write `rows` (column lists or a table) with `schema` atomically; return row count."""
-    table = rows if isinstance(rows, pa.Table) else pa.table(rows, schema=schema)
-    table = table.select(schema.names).cast(schema)
+    table = typed_table(rows, schema)
     # the uncompressed size: what the file needs at most (a full disk names it)
     with atomic_path(path, table.nbytes) as tmp:
         pq.write_table(table, tmp, compression="zstd")

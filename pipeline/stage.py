@@ -2,7 +2,11 @@
 
 A stage module defines `SPEC = StageSpec(...)` and a `build(config, inputs, folder)` that
 writes its files into `folder` and returns `Built`. `run_stage` turns that into the
-cached, atomic `run(config, inputs) -> Manifest` every stage exposes.
+cached, atomic `run(config, inputs) -> Manifest` every stage exposes. A stage whose build
+needs what a long-lived caller holds in memory (an online cell's engine or learner, never
+a file) declares its type as `context`; its build is `build(config, inputs, folder, ctx)`
+and run_stage passes the caller's `ctx`. Without one, a cache hit still answers and a
+miss raises MissingContext with the spec's `without_context` line (what builds it).
 
 Files a stage reads from outside the store enter its key by content: a stage that reads
 the `task` section and whose `task.name` is a file gets that file's sha256, and a spec's
@@ -18,12 +22,11 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from pipeline import interrupt, tasks
 from pipeline.config import PipelineConfig
-from pipeline.errors import DamagedArtifact
+from pipeline.errors import DamagedArtifact, MissingContext
 from pipeline.store import Manifest, Store, check, file_entry, is_disk_full, now_iso, stage_key
 
 log = logging.getLogger("ggpo")
@@ -40,11 +43,13 @@ class StageSpec:
     name: str
     version: int                    # bump when the stage's output changes for the same inputs
     reads: tuple[str, ...]          # config sections that enter the key
-    build: Callable[[PipelineConfig, dict[str, Manifest], Path], Built]
+    build: Callable[..., Built]     # (config, inputs, folder), or with `context` (config, inputs, folder, ctx)
     keep_on_rebuild: tuple[str, ...] = ()   # e.g. checkpoints/, so a rerun resumes
     ignores: tuple[str, ...] = ()           # dotted fields under `reads` that are not content (train.updates)
     # content hashes of files outside the store the stage reads: {"label": sha256}
     extra_key: Callable[[PipelineConfig], dict[str, str]] | None = None
+    context: type | None = None     # what the build needs from its caller's memory (not part of the key)
+    without_context: str = ""       # what to run instead, when it is missing
 
 
 # How many stage builds may run at once in this process (flows run stages in threads).
@@ -119,16 +124,27 @@ def clear_failures() -> None:
 
 
 def run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manifest],
-              store: Store | None = None, force: bool = False) -> Manifest:
+              store: Store | None = None, force: bool = False, ctx: Any = None) -> Manifest:
+    """The stage's manifest: cached, or built now (with `ctx` when the spec has a context)."""
     try:
-        return _run_stage(spec, config, inputs, store, force)
+        return _run_stage(spec, config, inputs, store, force, ctx)
     except Exception as exc:
         _failures.append((spec.name, exc))
         raise
 
 
+def check_context(spec: StageSpec, key: str, ctx: Any) -> tuple[Any, ...]:
+    """The build's extra argument: () for a stage without a context, else (ctx,) when it is
+    of the spec's type; a missing one is MissingContext, said where it is found missing."""
+    if spec.context is None:
+        return ()
+    if not isinstance(ctx, spec.context):
+        raise MissingContext(f"{spec.name} {key[:16]} is not in the cache and is not built alone: {spec.without_context}")
+    return (ctx,)
+
+
 def _run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manifest],
-               store: Store | None, force: bool) -> Manifest:
+               store: Store | None, force: bool, ctx: Any) -> Manifest:
     store = store or Store()
     input_keys = {name: m.key for name, m in sorted(inputs.items())}
     content = content_key(spec, config)
@@ -138,6 +154,7 @@ def _run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manife
         if hit is not None:
             log.info("%s: %s, %s", spec.name, outcome(hit.model_copy(update={"cache_hit": True})), key[:16])
             return hit.model_copy(update={"cache_hit": True})
+    extra = check_context(spec, key, ctx)
     interrupt.check(f"{spec.name} not started")     # stopping: begin nothing new
     verify_inputs(spec, inputs)
     # a forced rerun starts from scratch; an interrupted one keeps what lets it resume
@@ -145,7 +162,7 @@ def _run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manife
     log.info("%s: building %s in %s", spec.name, key[:16], folder)
     start = time.perf_counter()
     try:
-        built = spec.build(config, inputs, folder)
+        built = spec.build(config, inputs, folder, *extra)
         files = {name: file_entry(folder, rel, rows) for name, (rel, rows) in built.files.items()}
         manifest = Manifest(
             stage=spec.name, key=key, version=spec.version, folder=str(folder),

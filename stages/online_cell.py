@@ -51,9 +51,8 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +82,31 @@ KEEP = 2                    # rolling checkpoints kept
 WAIT_TOKENS_PER_S = 2_000
 
 
+@dataclass(frozen=True)
+class CellRound:
+    """A finished round's artifacts: its pool and its record (online_train)."""
+    pool: Manifest
+    trained: Manifest
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """What a cell hands its caller (a Prefect task, maybe on another machine): small
+    manifests (keys, paths, hashes), never tensors. `counts`: engine starts, rounds sampled,
+    replayed and skipped, checkpoints, and `rounds` (finished), `update`, `folder`,
+    `stalled` (None, or the stop: round, update, reason, cause). `rounds`: every finished
+    round's artifacts in order; `policies`: the online_policy at each evaluation point the
+    cell reached (train.online_eval_updates of its finished rounds) and at a stop."""
+    counts: dict[str, Any]
+    rounds: tuple[CellRound, ...]
+    policies: dict[int, Manifest]
+
+    @property
+    def last(self) -> Manifest | None:
+        """The last finished round's record (None: no round finished)."""
+        return self.rounds[-1].trained if self.rounds else None
+
+
 @dataclass
 class Cell:
     """What a cell run knows: its config, store, base model and chain of round keys."""
@@ -100,6 +124,8 @@ class Cell:
     drift: dict = field(default_factory=dict)      # the last round's drift at its end (drift.DRIFT_COLUMNS)
     counts: dict = field(default_factory=lambda: {"engine_starts": 0, "rounds_sampled": 0, "rounds_replayed": 0,
                                                   "rounds_skipped": 0, "checkpoints_written": 0})
+    rounds: list[CellRound] = field(default_factory=list)      # the finished rounds' artifacts, in order
+    policies: dict[int, Manifest] = field(default_factory=dict)     # update -> online_policy written or found
 
     @property
     def main(self) -> bool:        # the rank that samples and records (one process: always)
@@ -329,8 +355,7 @@ def sync_and_sample(cell: Cell, weights: list, cfg_r: PipelineConfig, policy: Ma
     t0 = time.perf_counter()
     cell.engine.load_weights(weights)
     cell.counts["sync_seconds"] = round(cell.counts.get("sync_seconds", 0.0) + time.perf_counter() - t0, 4)
-    spec = replace(online_pool.SPEC, build=partial(online_pool.sample_round, engine=cell.engine))
-    pool = run_stage(spec, cfg_r, {"policy": policy}, cell.store)
+    pool = run_stage(online_pool.SPEC, cfg_r, {"policy": policy}, cell.store, ctx=online_pool.Sampler(cell.engine))
     cell.engine.sleep()
     cell.counts["rounds_sampled"] += 1
     return pool
@@ -350,9 +375,17 @@ def keep_policies(cell: Cell, r: int, trained: Manifest) -> None:
     committed as an online_policy artifact (rank 0)."""
     for at in sorted(u for u, rr in evaluation_points(cell).items() if rr == r):
         if cell.main and pending(cell, at).exists():
-            spec = replace(online_policy.SPEC, build=partial(online_policy.adopt, saved=pending(cell, at)))
-            run_stage(spec, cell.cfg.updated({"eval.update": at}), {"round": trained}, cell.store)
+            adopt_policy(cell, at, trained)
     barrier(cell)
+
+
+def adopt_policy(cell: Cell, at: int, trained: Manifest) -> Manifest:
+    """The policy saved after update `at` (pending/) committed as an online_policy artifact
+    whose input is `trained`, the record of the round that holds the update (rank 0)."""
+    policy = run_stage(online_policy.SPEC, cell.cfg.updated({"eval.update": at}), {"round": trained}, cell.store,
+                       ctx=online_policy.Saved(pending(cell, at)))
+    cell.policies[at] = policy
+    return policy
 
 
 def record_round(cell: Cell, cfg_r: PipelineConfig, inputs: dict[str, Manifest], rows: list[dict]) -> Manifest:
@@ -360,8 +393,7 @@ def record_round(cell: Cell, cfg_r: PipelineConfig, inputs: dict[str, Manifest],
     against a cached record when the round was replayed."""
     r = cfg_r.online.round
     if cell.main:
-        spec = replace(online_train.SPEC, build=partial(online_train.record, rows=rows))
-        trained = run_stage(spec, cfg_r, inputs, cell.store)
+        trained = run_stage(online_train.SPEC, cfg_r, inputs, cell.store, ctx=online_train.Trained(rows))
         if trained.cache_hit and trained.summary["final_loss"] != rows[-1]["loss"]:
             log.warning("online round %d replayed to a final loss of %r, its record says %r (bit-exact only on "
                         "the CPU)", r, rows[-1]["loss"], trained.summary["final_loss"])
@@ -407,8 +439,9 @@ def start(cell: Cell) -> tuple[TrainState, int, Manifest | None]:
     return st, r + 1, prev
 
 
-def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -> dict:
-    """Every round of the cell `cfg` (train.updates // N of them); the cell's counts.
+def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -> CellResult:
+    """Every round of the cell `cfg` (train.updates // N of them); its counts and the
+    manifests it wrote or found (rounds, policies at evaluation points).
     on_round(r, pool, trained) after each round (the flow logs it to MLflow and Prefect).
     train.nproc / nnodes > 1: the cell runs under torchrun (launch)."""
     if distributed.wanted(cfg.train) and distributed.current() is None:
@@ -423,8 +456,8 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
     st, first, prev = start(cell)
     cell.sampler_share = sampler_share(cfg, st.model, cell.rt)
     every = cfg.online.checkpoint_rounds(tc)
-    for r in range(first if on_round is not None and cell.main else 0):     # finished before: shown as cached
-        on_round(r, round_manifest(cell, "online_pool", r), round_manifest(cell, "online_train", r))
+    for r in range(first if cell.main else 0):     # finished before: handed on as cached
+        done_round(cell.rounds, r, *cached_round(cfg, store, r), on_round)
     stalled = None
     try:
         for r in range(first, rounds):
@@ -438,8 +471,8 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
                 break
             if (r + 1) % every == 0 or r + 1 == rounds:
                 save_cell_checkpoint(cell, r, st)
-            if on_round is not None and cell.main:
-                on_round(r, pool, prev)
+            if cell.main:
+                done_round(cell.rounds, r, pool, prev, on_round)
             stalled = drift_guard(cell, st, r, prev, rounds)
             if stalled is not None:
                 break
@@ -458,9 +491,43 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
              cell.counts["rounds_skipped"],
              cell.counts["rounds_replayed"], cell.counts["rounds_sampled"], cell.counts["engine_starts"],
              cell.counts["checkpoints_written"], time.perf_counter() - t0)
-    return cell.counts | {"rounds": rounds_done(stalled, rounds), "update": st.update,
-                          "folder": str(cell.folder), "final_round": prev.key if prev else None,
-                          "stalled": stalled}
+    done = rounds_done(stalled, rounds)
+    counts = cell.counts | {"rounds": done, "update": st.update, "folder": str(cell.folder), "stalled": stalled}
+    return CellResult(counts, tuple(cell.rounds), kept_policies(cfg, store, done, cell.policies) if cell.main else {})
+
+
+def done_round(rounds: list[CellRound], r: int, pool: Manifest, trained: Manifest, on_round) -> None:
+    """Round r finished (now, or before this run): kept for the result, shown to on_round."""
+    rounds.append(CellRound(pool, trained))
+    if on_round is not None:
+        on_round(r, pool, trained)
+
+
+def cached_round(cfg: PipelineConfig, store: Store, r: int) -> tuple[Manifest, Manifest]:
+    """A round finished before (behind the checkpoint a cell resumed from, or by torchrun's
+    ranks): its pool and record, from the cache."""
+    keys = dag.online_keys(cfg, r)
+    pool, trained = store.load("online_pool", keys["online_pool"]), store.load("online_train", keys["online_train"])
+    if pool is None or trained is None:
+        raise TrainingError(f"online cell: round {r} is finished, but its {'online_pool' if pool is None else 'online_train'} "
+                            f"artifact is not in the cache at {store.location}; delete {state_folder(store, cfg)} to "
+                            "start this cell over")
+    return pool.model_copy(update={"cache_hit": True}), trained.model_copy(update={"cache_hit": True})
+
+
+def kept_policies(cfg: PipelineConfig, store: Store, rounds: int, written: dict[int, Manifest]) -> dict[int, Manifest]:
+    """{update: online_policy} at the evaluation points of the `rounds` finished rounds (a
+    stop's included: train.online_eval_updates): those this run `written`, the rest from the
+    cache (an earlier run of the chain wrote them). One missing is said with its update."""
+    out = {}
+    for at in cfg.train.online_eval_updates(rounds):
+        found = written.get(at) or store.load("online_policy", dag.expected_key("online_policy",
+                                                                                 cfg.updated({"eval.update": at})))
+        if found is None:
+            raise TrainingError(f"online cell {cfg.train.method} seed {cfg.seed} finished without its policy after "
+                                f"update {at} (online_policy not in {store.location})")
+        out[at] = found
+    return out
 
 
 def stop_at_stall(cell: Cell, st: TrainState, r: int, prev: Manifest, exc: Exception) -> dict:
@@ -470,8 +537,7 @@ def stop_at_stall(cell: Cell, st: TrainState, r: int, prev: Manifest, exc: Excep
     at = st.update
     if not has_policy(cell, at):
         save_policy(st.model, cell.tokenizer, pending(cell, at))
-        spec = replace(online_policy.SPEC, build=partial(online_policy.adopt, saved=pending(cell, at)))
-        run_stage(spec, cell.cfg.updated({"eval.update": at}), {"round": prev}, cell.store)
+        adopt_policy(cell, at, prev)
     log.warning("online cell %s seed %d stopped after update %d of %d (online.on_stall=stop): %s",
                 cell.cfg.train.method, cell.cfg.seed, at, cell.cfg.train.updates, exc)
     return {"round": r, "update": at, "reason": str(exc), "cause": "stall"}
@@ -504,8 +570,7 @@ def drift_guard(cell: Cell, st: TrainState, r: int, prev: Manifest, rounds: int)
     at = st.update
     if cell.main and not has_policy(cell, at):
         save_policy(st.model, cell.tokenizer, pending(cell, at))
-        spec = replace(online_policy.SPEC, build=partial(online_policy.adopt, saved=pending(cell, at)))
-        run_stage(spec, cell.cfg.updated({"eval.update": at}), {"round": prev}, cell.store)
+        adopt_policy(cell, at, prev)
     log.warning("online cell %s seed %d stopped after update %d of %d (online.on_drift=stop): %s",
                 tc.method, cell.cfg.seed, at, tc.updates, what)
     return {"round": r, "update": at, "reason": what, "cause": "drift"}
@@ -513,7 +578,7 @@ def drift_guard(cell: Cell, st: TrainState, r: int, prev: Manifest, rounds: int)
 
 # --------------------------------------------------------------------------- torchrun
 
-def launch(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -> dict:
+def launch(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -> CellResult:
     """The cell under torchrun: every rank runs `main` (the learner FSDP2-sharded over them,
     for the whole cell); rank 0 also holds the engine, gathers the full weights for each sync,
     samples and records. A rank failing: one-line TrainingError; a rerun resumes from the
@@ -534,10 +599,10 @@ def launch(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -> 
                                 f"exited {proc.returncode}{': ' + last if last else ''}; rerun to resume from "
                                 f"its last checkpoint in {state_folder(store, cfg)}")
         counts = json.loads(out.read_text())
-    for r in range(tc.updates // tc.updates_per_step if on_round is not None else 0):
-        keys = dag.online_keys(cfg, r)
-        on_round(r, store.load("online_pool", keys["online_pool"]), store.load("online_train", keys["online_train"]))
-    return counts
+    rounds: list[CellRound] = []     # the ranks' manifests stayed in their processes: from the store
+    for r in range(counts["rounds"]):
+        done_round(rounds, r, *cached_round(cfg, store, r), on_round)
+    return CellResult(counts, tuple(rounds), kept_policies(cfg, store, counts["rounds"], {}))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -549,9 +614,9 @@ def main(argv: list[str] | None = None) -> None:
         if base is None:
             raise TrainingError(f"online cell rank {d.rank}: the base model {args.base[:16]} is not in the store at "
                                 f"{store.location}: every rank (every node) must use one store (GGPO_CACHE)")
-        counts = run_cell(cfg, store, base)
+        result = run_cell(cfg, store, base)
         if d.is_main:
-            write_text_atomic(Path(args.counts), json.dumps(counts))
+            write_text_atomic(Path(args.counts), json.dumps(result.counts))
         d.barrier()
     finally:
         torch.distributed.destroy_process_group()

@@ -90,7 +90,7 @@ def test_a_cell_records_its_drift_and_the_guard_warns_stops_or_stays_off(tmp_pat
     cfg = load_config("smoke-online", SMALL)
     store = store_with_base(tmp_path / "s", base_manifest)
     with caplog.at_level(logging.WARNING, logger="ggpo"):
-        counts = run_cell(cfg, store, base_manifest)
+        counts = run_cell(cfg, store, base_manifest).counts
     assert counts["stalled"] is None and counts["rounds"] == 3 and "drift" not in caplog.text
     rows = pl.concat([pl.read_parquet(store.load("online_train", dag.online_keys(cfg, r)["online_train"]).path("metrics"))
                       for r in range(3)])
@@ -105,14 +105,14 @@ def test_a_cell_records_its_drift_and_the_guard_warns_stops_or_stays_off(tmp_pat
     caplog.clear()
     warn = cfg.updated({"online.max_round_drift": 1e-9})
     with caplog.at_level(logging.WARNING, logger="ggpo"):
-        counts = run_cell(warn, store_with_base(tmp_path / "w", base_manifest), base_manifest)     # rounds run again
+        counts = run_cell(warn, store_with_base(tmp_path / "w", base_manifest), base_manifest).counts     # rounds run again
     lines = [r.getMessage() for r in caplog.records if "max_round_drift" in r.getMessage()]
     assert counts["stalled"] is None and counts["rounds"] == 3 and len(lines) == 3
     assert "online round 0 (ggpo seed 42): learner-to-behavior drift" in lines[0] and "on_drift=warn" in lines[0]
 
     stop = warn.updated({"online.on_drift": "stop"})
     fresh = store_with_base(tmp_path / "t", base_manifest)
-    counts = run_cell(stop, fresh, base_manifest)
+    counts = run_cell(stop, fresh, base_manifest).counts
     assert (counts["stalled"]["cause"], counts["stalled"]["round"], counts["stalled"]["update"], counts["rounds"]) \
         == ("drift", 0, 2, 1)
     assert "above online.max_round_drift = 1e-09" in counts["stalled"]["reason"]

@@ -54,11 +54,11 @@ def run_cell(cfg, base, store=None) -> tuple[dict, list]:
     """One online cell in this process, as the flow runs it: (its counts, its round records)."""
     from stages.online_cell import run_cell as run
     store = store or Store()
-    counts = run(cfg, store, base)
+    result = run(cfg, store, base)
     rounds = cfg.train.updates // cfg.train.updates_per_step
     records = [store.load("online_train", dag.online_keys(cfg, r)["online_train"]) for r in range(rounds)]
-    assert records[-1].key == counts["final_round"] and all(records), counts
-    return counts, records
+    assert [r.trained.key for r in result.rounds] == [m.key for m in records] and all(records), result.counts
+    return result.counts, records
 
 
 def final_policy(cfg, store=None):

@@ -236,7 +236,7 @@ def chains(tmp_path_factory, base_manifest):
     for name, steps in (("extended", (16, 32)), ("straight", (32,)), ("short", (8,))):
         store = store_with_base(root / name, base_manifest)
         out[name] = (store, [run_cell(cfg_of(**{"train.updates": n, "online.checkpoint_every": 1}), store,
-                                      base_manifest) for n in steps])
+                                      base_manifest).counts for n in steps])
     return out
 
 
@@ -274,11 +274,11 @@ def test_a_round_that_cannot_fill_its_pool_ends_the_cell_at_its_policy(tmp_path,
     same place without sampling the finished round again; on_stall=error fails in one line."""
     cfg = cfg_of(**{"train.lr": 1.0, "train.updates": 6, "online.max_draws": 2})
     store = store_with_base(tmp_path / "s", base_manifest)
-    counts = run_cell(cfg, store, base_manifest)
+    counts = run_cell(cfg, store, base_manifest).counts
     assert (counts["stalled"]["round"], counts["stalled"]["update"], counts["update"], counts["rounds"]) == (1, 2, 2, 1)
     assert re.search(r"online round 1 \(seed 42\): found 0 mixed-reward groups from \d+ prompts", counts["stalled"]["reason"])
     assert policy(cfg, store, 2) is not None and policy(cfg, store) is None
-    again = run_cell(cfg, store, base_manifest)
+    again = run_cell(cfg, store, base_manifest).counts
     assert again["stalled"] == counts["stalled"] and again["rounds_sampled"] == 0
     a, b = weights(policy(cfg, store, 2)), weights(store.load("base", base_manifest.key))
     assert any(not torch.equal(a[k], b[k]) for k in a)       # it is the trained policy, not pi_0
@@ -328,7 +328,7 @@ def test_two_gloo_ranks_match_one_process(tmp_path, base_manifest):
     cfg1 = cfg_of(**{"train.updates": 4, "train.eval_every": 2})
     one, two = store_with_base(tmp_path / "one", base_manifest), store_with_base(tmp_path / "two", base_manifest)
     run_cell(cfg1, one, base_manifest)
-    counts = run_cell(cfg1.updated({"train.nproc": 2}), two, base_manifest)
+    counts = run_cell(cfg1.updated({"train.nproc": 2}), two, base_manifest).counts
     assert (counts["engine_starts"], counts["rounds_sampled"]) == (1, 2)
     for r in range(2):
         key = dag.online_keys(cfg1, r)["online_pool"]

@@ -106,7 +106,7 @@ def test_prefect_run_gets_progress_and_report_artifacts(monkeypatch):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.offline import publish_report
+    from flows.common import publish_report
     monkeypatch.setenv("GGPO_PROGRESS", "lines")
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")     # no telemetry writes racing the test
 

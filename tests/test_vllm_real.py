@@ -406,7 +406,7 @@ def test_online_cell_with_a_resident_vllm_engine(base_manifest, base_dir, engine
                                        "train.updates_per_step": 2, "train.eval_every": None, "train.lr": 1e-3})
     shutil.copytree(base_manifest.folder, tmp_path / "cache" / Path(base_manifest.folder).name)
     store = Store(tmp_path / "cache")
-    counts = online_cell.run_cell(cfg, store, base_manifest)
+    counts = online_cell.run_cell(cfg, store, base_manifest).counts
     assert counts["engine_starts"] == 1 and counts["rounds_sampled"] == 3 and len(made) == 1
     syncs, draws = made[0].syncs, made[0].draws
     for k, r in enumerate(syncs):
