@@ -122,6 +122,9 @@ class Cell:
     waits: Any = None               # under torchrun: the CPU group the ranks wait on (wait_group)
     sampler_share: float | None = None     # a vLLM sampler's gpu_memory_utilization (sampler_share)
     drift: dict = field(default_factory=dict)      # the last round's drift at its end (drift.DRIFT_COLUMNS)
+    # the pool this process just sampled (its key, its table as written): training takes it
+    # from memory instead of reading the file back; replayed rounds read the file
+    sampled: tuple[str, Any] | None = None
     counts: dict = field(default_factory=lambda: {"engine_starts": 0, "rounds_sampled": 0, "rounds_replayed": 0,
                                                   "rounds_skipped": 0, "checkpoints_written": 0})
     rounds: list[CellRound] = field(default_factory=list)      # the finished rounds' artifacts, in order
@@ -355,7 +358,9 @@ def sync_and_sample(cell: Cell, weights: list, cfg_r: PipelineConfig, policy: Ma
     t0 = time.perf_counter()
     cell.engine.load_weights(weights)
     cell.counts["sync_seconds"] = round(cell.counts.get("sync_seconds", 0.0) + time.perf_counter() - t0, 4)
-    pool = run_stage(online_pool.SPEC, cfg_r, {"policy": policy}, cell.store, ctx=online_pool.Sampler(cell.engine))
+    sampler = online_pool.Sampler(cell.engine)
+    pool = run_stage(online_pool.SPEC, cfg_r, {"policy": policy}, cell.store, ctx=sampler)
+    cell.sampled = (pool.key, sampler.table) if sampler.table is not None else None
     cell.engine.sleep()
     cell.counts["rounds_sampled"] += 1
     return pool
@@ -411,7 +416,9 @@ def one_round(cell: Cell, st: TrainState, r: int, prev: Manifest | None) -> tupl
     def after_update(u: int) -> None:      # the policy at an evaluation point, saved now (collective)
         if u in points and not has_policy(cell, u):
             save_policy(st.model, cell.tokenizer, pending(cell, u))
-    rows = online_train.train_round(st, cfg_r, inputs, cell.tokenizer, cell.rt, after_update)
+    table = cell.sampled[1] if cell.sampled and cell.sampled[0] == pool.key else None
+    cell.sampled = None
+    rows = online_train.train_round(st, cfg_r, inputs, cell.tokenizer, cell.rt, after_update, table)
     cell.drift = {k: rows[-1].get(k) for k in DRIFT_COLUMNS}     # measured now, also when the record is cached
     trained = record_round(cell, cfg_r, inputs, rows)
     keep_policies(cell, r, trained)

@@ -25,6 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import polars as pl
+import pyarrow as pa
+
 from pipeline.config import PipelineConfig
 from pipeline.errors import TrainingError
 from pipeline.schemas import ONLINE_METRICS, write_parquet
@@ -56,12 +59,15 @@ def check(cfg: PipelineConfig, inputs: dict[str, Manifest], update: int) -> tupl
 
 
 def train_round(st: TrainState, cfg: PipelineConfig, inputs: dict[str, Manifest], tokenizer, rt,
-                after_update=None) -> list[dict]:
+                after_update=None, table: pa.Table | None = None) -> list[dict]:
     """The round's N updates on the resident learner `st`; its ONLINE_METRICS rows.
-    `after_update(u)` runs after each (the cell saves evaluation policies there)."""
+    `after_update(u)` runs after each (the cell saves evaluation policies there). `table`:
+    the round's pool as its sampler wrote it (schemas.typed_table, equal to the file), so a
+    round sampled in this process is not read back from disk; None reads the file."""
     tc, pool_m = cfg.train, inputs["pool"]
     first, stop = check(cfg, inputs, st.update)
-    pool = load_pool(pool_m.path("train_pool"), cfg.rollout.group_size, tc)
+    frame = None if table is None else pl.DataFrame(table)
+    pool = load_pool(pool_m.path("train_pool"), cfg.rollout.group_size, tc, frame=frame)
     g, st.rows = tc.groups_per_update, []
     s = RoundPool.from_summary(pool_m.summary)
     ctx = TrainContext(cfg, pool, rt, tokenizer.pad_token_id,

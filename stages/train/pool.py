@@ -59,12 +59,14 @@ class Pool:
         return self.group_size * len(self.prompt_ids[g]) + sum(len(r) for r in self.responses[g])
 
 
-def load_pool(path: Path, group_size: int, tc: TrainConfig | None = None) -> Pool:
+def load_pool(path: Path, group_size: int, tc: TrainConfig | None = None, frame: pl.DataFrame | None = None) -> Pool:
     """The pool for training `tc` (None: read it whole, behavior log-probs where every row
     has them). A pool missing behavior log-probs that `tc`'s method reads is refused in one
     line naming the file, the column and the method; for other methods a pool missing
-    them in any row loads without them (lp_beh None), never with a stand-in."""
-    df = pl.read_parquet(path).sort(["group", "sample"])
+    them in any row loads without them (lp_beh None), never with a stand-in. `frame`: the
+    file's content already in memory (the online round just written); errors still name
+    `path`."""
+    df = (pl.read_parquet(path) if frame is None else frame).sort(["group", "sample"])
     if df.height == 0:
         raise TrainingError(f"{path}: the training pool is empty (no mixed-reward groups)")
     missing = df.filter(pl.col("behavior_logprobs").is_null())
