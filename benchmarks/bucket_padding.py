@@ -28,7 +28,7 @@ import torch  # noqa: E402
 
 
 def make_pool(groups: int, m: int, vocab: int, seed: int):
-    from stages.train.pool import Pool
+    from pipeline.training.pool import Pool
     rng = random.Random(seed)
     prompts = [[rng.randrange(5, vocab) for _ in range(rng.randint(11, 15))] for _ in range(groups)]
     resp = [[[rng.randrange(5, vocab) for _ in range(max(3, min(24, int(rng.gauss(14.6, 5)))))] for _ in range(m)]
@@ -42,11 +42,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=16)
     ap.add_argument("--overhead", type=float, nargs="+", default=[30.0, 60.0, 128.0, 250.0, 500.0])
     args = ap.parse_args()
-    from pipeline.config import ModelConfig, load_config
-    from pipeline.runtime import make_runtime
-    from pipeline.tiny_model import build_model, build_tokenizer
-    from stages.train import loop
-    from stages.train.reference import ReferenceCache
+    from pipeline.core.config import ModelConfig, load_config
+    from pipeline.models.runtime import make_runtime
+    from pipeline.models.tiny_model import build_model, build_tokenizer
+    from pipeline.training import loop
+    from pipeline.training.reference import ReferenceCache
     torch.set_num_threads(1)
     tok = build_tokenizer()
     model = build_model(ModelConfig(), len(tok))

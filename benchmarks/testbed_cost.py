@@ -29,12 +29,12 @@ import time
 
 import torch
 
-from pipeline import countdown, grading, tasks
-from pipeline.config import PipelineConfig, load_config
-from pipeline.engines.hf import _cache_kwarg
-from pipeline.hf import load_model, load_tokenizer
-from pipeline.store import Store, model_path
-from stages import base as base_stage
+from pipeline.core.config import PipelineConfig, load_config
+from pipeline.core.store import Store, model_path
+from pipeline.models.engines.hf import _cache_kwarg
+from pipeline.models.hf import load_model, load_tokenizer
+from pipeline.tasks import catalog, countdown, grading
+from stages import base_model as base_stage
 from stages.online_cell import run_cell
 
 
@@ -130,14 +130,14 @@ def bare_round_seconds(cfg: PipelineConfig, base, drawn: list[int], seed: int) -
     policy, reference = load_model(path), load_model(path).eval()
     sampler = load_model(path, torch.bfloat16 if rc.dtype == "bfloat16" else torch.float32).eval()
     opt = torch.optim.AdamW(policy.parameters(), lr=tc.lr, betas=tc.adam_betas, weight_decay=tc.weight_decay)
-    problems, gen = tasks.splits(cfg.task)["train"], torch.Generator().manual_seed(seed)
+    problems, gen = catalog.splits(cfg.task)["train"], torch.Generator().manual_seed(seed)
     stamps, cursor, need = [], 0, tc.updates_per_step * tc.groups_per_update
     for count in drawn:
         stamps.append(time.perf_counter())
         sampler.load_state_dict(policy.state_dict())
         picked = [problems[(cursor + i) % len(problems)] for i in range(count)]
         cursor += count
-        prompts = [tasks.format_prompt(p.problem, cfg.task.prompt) for p in picked]
+        prompts = [catalog.format_prompt(p.problem, cfg.task.prompt) for p in picked]
         responses = bare_sample(sampler, tok, prompts, rc.group_size, rc.max_new_tokens, rc.temperature, gen)
         groups = []
         for g, p in enumerate(picked):

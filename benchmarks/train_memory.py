@@ -26,10 +26,10 @@ def child(args) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from pipeline.config import load_config
-    from pipeline.runtime import make_runtime
-    from stages.train.loop import Pool, TrainContext, TrainState, run_update
-    from stages.train.reference import ReferenceCache
+    from pipeline.core.config import load_config
+    from pipeline.models.runtime import make_runtime
+    from pipeline.training.loop import Pool, TrainContext, TrainState, run_update
+    from pipeline.training.reference import ReferenceCache
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     conf = Qwen3Config(vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=2, num_attention_heads=2,

@@ -9,7 +9,7 @@ falls on both alike.
 
 ggpo's step is its library's: the resident transformers sampler (rollout.dtype, synced
 to the learner), countdown's in-thread grading, the pool written and read back as an
-online round's is, and one update of stages/train/loop (GGPO's loss). TRL's is
+online round's is, and one update of pipeline/training/loop (GGPO's loss). TRL's is
 GRPOTrainer.train's own step (generation with the training model, its loss, AdamW).
 TRL is not a dependency of the project: install it where you run this
 (`pip install trl==1.16`; it leaves torch and transformers as they are).
@@ -33,14 +33,14 @@ PROMPTS_PER_STEP, M = 32, 8
 
 def ggpo_stepper(cfg, base, folder: Path):
     """A function step(problems, seed) -> seconds: one ggpo online step on `problems`."""
-    from pipeline.engines import SamplingParams
-    from pipeline.engines.hf import TransformersEngine
-    from pipeline.grading import grade_many
-    from pipeline.runtime import make_runtime
-    from pipeline.schemas import TRAIN_POOL, write_parquet
-    from pipeline.store import model_path
+    from pipeline.core.schemas import TRAIN_POOL, write_parquet
+    from pipeline.core.store import model_path
+    from pipeline.models.engines import SamplingParams
+    from pipeline.models.engines.hf import TransformersEngine
+    from pipeline.models.runtime import make_runtime
+    from pipeline.tasks.grading import grade_many
+    from pipeline.training.loop import TrainContext, load_pool, new_state, run_updates
     from stages.rollout import prompt_table, rollout_table
-    from stages.train.loop import TrainContext, load_pool, new_state, run_updates
 
     rc, tc, path = cfg.rollout, cfg.train, model_path(base)
     rt = make_runtime(tc)
@@ -71,16 +71,16 @@ def trl_trainer(cfg, base, problems, folder: Path, steps: int, callback):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from pipeline import tasks
-    from pipeline.grading import grade_many
-    from pipeline.hf import load_model, load_tokenizer
-    from pipeline.store import model_path
+    from pipeline.core.store import model_path
+    from pipeline.models.hf import load_model, load_tokenizer
+    from pipeline.tasks import catalog
+    from pipeline.tasks.grading import grade_many
 
     path = model_path(base)
 
     def reward(completions, answer, **_):      # ggpo's grader (countdown's: in this thread)
         return [g.reward for g in grade_many(completions, [(a,) for a in answer], cfg.verify.timeout_s, workers=1)]
-    data = Dataset.from_dict({"prompt": [tasks.format_prompt(p.problem, cfg.task.prompt) for p in problems],
+    data = Dataset.from_dict({"prompt": [catalog.format_prompt(p.problem, cfg.task.prompt) for p in problems],
                               "answer": [p.answer for p in problems]})
     args = GRPOConfig(output_dir=str(folder), per_device_train_batch_size=PROMPTS_PER_STEP * M, num_generations=M,
                       steps_per_generation=1, gradient_accumulation_steps=1, max_completion_length=cfg.rollout.max_new_tokens,
@@ -95,15 +95,15 @@ def measure(preset: str, steps: int) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    from pipeline import tasks
-    from pipeline.config import load_config
-    from stages import base as base_stage
+    from pipeline.core.config import load_config
+    from pipeline.tasks import catalog
+    from stages import base_model as base_stage
 
     cfg = load_config(preset, ["train.method=ggpo", f"train.groups_per_update={PROMPTS_PER_STEP}",
                                "train.updates_per_step=1"])
     base = base_stage.run(cfg)
     torch.set_num_threads(cfg.model.threads)
-    problems = tasks.splits(cfg.task)["train"][:PROMPTS_PER_STEP * steps]
+    problems = catalog.splits(cfg.task)["train"][:PROMPTS_PER_STEP * steps]
     trl_s: list[float] = []
     ggpo_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="ggpo-trl-") as tmp:

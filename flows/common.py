@@ -25,12 +25,15 @@ from prefect.futures import PrefectFuture, wait
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
-from pipeline import dag, grading, interrupt, orchestration, placement, progress, tracking
-from pipeline.config import PipelineConfig
-from pipeline.grid import Cell
-from pipeline.preflight import check_run
-from pipeline.stage import build_slot, outcome, set_parallel_builds
-from pipeline.store import Manifest, Store
+from pipeline.core import interrupt
+from pipeline.core.config import PipelineConfig
+from pipeline.core.grid import GridCell
+from pipeline.core.store import Manifest, Store
+from pipeline.dag import graph, placement
+from pipeline.dag.preflight import check_run
+from pipeline.dag.spec import build_slot, outcome, set_parallel_builds
+from pipeline.services import prefect_client, progress, tracking
+from pipeline.tasks import grading
 
 # the stages' progress and resume lines (logger "ggpo"; forwarded to the Prefect API where
 # PREFECT_LOGGING_EXTRA_LOGGERS names it, as `ggpo up`'s serve process does): INFO unless set
@@ -46,7 +49,7 @@ def run_stage_task(stage: str, cfg: PipelineConfig, inputs: dict[str, Manifest],
     store = Store()
     inputs = {n: store.resolve(m) for n, m in inputs.items()}     # made on another machine (Ray)?
     with build_slot():      # at most experiment.parallel builds at once
-        result = dag.run(stage, cfg, inputs, store, force)
+        result = graph.run(stage, cfg, inputs, store, force)
     get_run_logger().info("%s %s: %s", run_name, outcome(result),
                           {k: v for k, v in result.summary.items() if not isinstance(v, str)})
     tracking.log_stage(result, run_name, parent_run_id)
@@ -64,7 +67,7 @@ class Runner:
         self.submitted: dict[tuple[str, str], PrefectFuture] = {}
 
     def __call__(self, stage: str, cfg: PipelineConfig, inputs: dict, name: str) -> PrefectFuture:
-        key = (stage, dag.expected_key(stage, cfg))
+        key = (stage, graph.expected_key(stage, cfg))
         if key not in self.submitted:
             self.submitted[key] = self.submit(stage, cfg, inputs, name)
         return self.submitted[key]
@@ -81,7 +84,7 @@ class FlowRun:
     flow: str               # "offline" | "online"
     preset: str
     cfg: PipelineConfig
-    cells: list[Cell]
+    cells: list[GridCell]
     client: Any
     parent: str
     step: Runner
@@ -140,7 +143,7 @@ def publish_report(result: dict, records: list[dict], preset: str, flow: str = "
     """The report in the Prefect UI (the flow run's Artifacts tab): the tables as markdown,
     the summary metrics and every evaluation as tables. A report the UI cannot take is a
     warning, never a failed run: the same report is in MLflow already."""
-    if orchestration.down():     # the server stopped answering mid-run (said once already)
+    if prefect_client.down():     # the server stopped answering mid-run (said once already)
         return
     key = progress.artifact_key(f"ggpo {preset}")
     try:
@@ -151,6 +154,6 @@ def publish_report(result: dict, records: list[dict], preset: str, flow: str = "
         create_table_artifact(table=records, key=f"{key}-evaluations",
                               description="every evaluation: method, seed, update, accuracy")
     except Exception as e:       # noqa: BLE001 - the run itself succeeded
-        if orchestration.noticed(e):     # its server went away meanwhile (said once)
+        if prefect_client.noticed(e):     # its server went away meanwhile (said once)
             return
         get_run_logger().warning("report not published as Prefect artifacts: %s: %s", type(e).__name__, e)

@@ -1,15 +1,15 @@
 """Prefect flow `ggpo` (deployment `offline`): the offline comparison, stage by stage.
 
 Per seed one pool (rollout -> verify -> filter; with `pool.source` the imported pool,
-pool_import [-> score]: dag.pool_stages); every method of `methods` trains on that pool
+pool_import [-> score]: graph.pool_stages); every method of `methods` trains on that pool
 with the same seeded group order and geometry, at every point of `experiment.grid`
-(pipeline/grid.py: the cells; a grid over a field the pool reads gives one pool per value,
+(pipeline/core/grid.py: the cells; a grid over a field the pool reads gives one pool per value,
 and named `experiment.variants` join `methods`); each policy is evaluated every
 `train.eval_every` updates and at the end; the base model is update 0. The flow ends with
 the report (seed Table 5 / Figure 4 forms) as MLflow artifacts of the parent run.
 
 Thin on purpose: the run's setup and ending are flows/common.run_flow's, the report is
-pipeline/report.py's; each task runs one cached stage and logs it to MLflow, and tasks pass
+pipeline/reports/offline.py's; each task runs one cached stage and logs it to MLflow, and tasks pass
 manifests (paths, keys, hashes), never tensors.
 """
 from __future__ import annotations
@@ -21,16 +21,19 @@ from prefect import flow
 from prefect.futures import PrefectFuture
 
 from flows.common import FlowRun, Report, Runner, run_flow
-from pipeline import dag, grid, placement, report, tracking
-from pipeline.config import PipelineConfig
-from pipeline.grid import Cell
-from pipeline.store import Manifest
+from pipeline.core import grid
+from pipeline.core.config import PipelineConfig
+from pipeline.core.grid import GridCell
+from pipeline.core.store import Manifest
+from pipeline.dag import graph, placement
+from pipeline.reports import offline
+from pipeline.services import tracking
 
 
 def stage_reads(stage: str, cfg: PipelineConfig) -> set[str]:
     """The config fields that enter `stage`'s key, itself or through its inputs."""
-    reads = set(dag.spec(stage).reads)
-    for src in dag.upstream(stage, cfg).values():
+    reads = set(graph.spec(stage).reads)
+    for src in graph.upstream(stage, cfg).values():
         reads |= stage_reads(src, cfg)
     return reads
 
@@ -42,7 +45,7 @@ def keyed_fields(stage: str, cfg: PipelineConfig, fields: set[str]) -> set[str]:
     return {f for f in fields if any(f == r or f.startswith(r + ".") or r.startswith(f + ".") for r in reads)}
 
 
-def submit_seed(step: Runner, cells: list[Cell]) -> list[tuple[dict, PrefectFuture]]:
+def submit_seed(step: Runner, cells: list[GridCell]) -> list[tuple[dict, PrefectFuture]]:
     """One seed's cells, each on the pool its config builds: one pool per seed unless the
     grid sweeps a field the pool reads (the runner submits each stage key once). Returns
     (record stub, evaluation future)s and, per cell, the training future (kind "train")."""
@@ -68,11 +71,11 @@ def submit_seed(step: Runner, cells: list[Cell]) -> list[tuple[dict, PrefectFutu
 
 
 def submit_pool(step: Runner, c: PipelineConfig, base: PrefectFuture, name) -> PrefectFuture:
-    """The pool's stages (dag.pool_stages): rollout, verify, filter; or for an imported pool
+    """The pool's stages (graph.pool_stages): rollout, verify, filter; or for an imported pool
     (pool.source) pool_import and, with pool.score_model, score. Returns the last one."""
     done = {"base": base}
-    for stage in dag.pool_stages(c):
-        done[stage] = step(stage, c, {n: done[src] for n, src in dag.upstream(stage, c).items()}, name(stage))
+    for stage in graph.pool_stages(c):
+        done[stage] = step(stage, c, {n: done[src] for n, src in graph.upstream(stage, c).items()}, name(stage))
     return done[stage]
 
 
@@ -91,7 +94,7 @@ def collect(pending: list[tuple[dict, PrefectFuture]], cfg: PipelineConfig) -> t
                 finals.append(pl.read_csv(manifest.path("report_csv"))
                               .with_columns(pl.lit(cell.label).alias("method"), pl.lit(stub["seed"]).alias("seed")))
         else:
-            curves.append(report.training_curves(manifest, stub["method"], stub["seed"], columns.get("cell")))
+            curves.append(offline.training_curves(manifest, stub["method"], stub["seed"], columns.get("cell")))
     return records, curves, finals
 
 
@@ -117,4 +120,4 @@ def comparison(run: FlowRun) -> Report:
     pending = [p for seed in cfg.experiment.seeds for p in submit_seed(step, [c for c in run.cells if c.seed == seed])]
     records, curves, finals = collect(pending, cfg)
     folder = tracking.report_folder("offline", run.preset)
-    return Report(report.log(run.client, run.parent, records, curves, finals, cfg, folder), records, folder)
+    return Report(offline.log(run.client, run.parent, records, curves, finals, cfg, folder), records, folder)

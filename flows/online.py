@@ -1,6 +1,6 @@
 """Prefect flow `ggpo` (deployment `online`): the paper's Algorithm 1, every cell of the grid.
 
-A cell (seed x method or variant x grid point, pipeline/grid.py) is one long-lived task that
+A cell (seed x method or variant x grid point, pipeline/core/grid.py) is one long-lived task that
 keeps its learner and its sampler in memory for all its rounds (stages/online_cell.py):
 round r syncs the sampler to the learner, draws seeded prompt batches until N * G_mb mixed
 groups exist (`online_pool`), and takes N updates (`online_train`). Every round is still a
@@ -9,7 +9,7 @@ cell resumes from its rolling checkpoint, and a longer run continues the chain. 
 shows in the Prefect UI (the cell's `<cell>-rounds` table artifact) and in the cell's MLflow
 run (curves per update, counts per round), published in batches of rounds (RoundLog). The policy at
 `train.eval_every` and at the end is evaluated (base = update 0) once its cell is done; the
-report (Table 1 / 2 / 4 / 7 and Figure 1 / 2 / 3 / 7 forms, pipeline/online_report.py)
+report (Table 1 / 2 / 4 / 7 and Figure 1 / 2 / 3 / 7 forms, pipeline/reports/online.py)
 lands in the MLflow parent run. At most experiment.parallel cells build at once.
 """
 from __future__ import annotations
@@ -26,11 +26,13 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.common import FlowRun, Report, Runner, run_flow
-from pipeline import online_report, orchestration, placement, progress, tracking
-from pipeline.config import PipelineConfig
-from pipeline.grid import Cell
-from pipeline.stage import build_slot
-from pipeline.store import Manifest, Store, write_text_atomic
+from pipeline.core.config import PipelineConfig
+from pipeline.core.grid import GridCell
+from pipeline.core.store import Manifest, Store, write_text_atomic
+from pipeline.dag import placement
+from pipeline.dag.spec import build_slot
+from pipeline.reports import online
+from pipeline.services import prefect_client, progress, tracking
 from stages.online_cell import CellResult, run_cell
 
 
@@ -95,18 +97,18 @@ class RoundLog:
             create_table_artifact(table=self.rows, key=progress.artifact_key(f"{self.name} rounds"),
                                   description=f"online cell {self.name}: one row per finished round")
         except Exception as exc:     # noqa: BLE001 - the rounds are recorded in the store and MLflow already
-            orchestration.noticed(exc)      # its server gone: said once, and no more waiting on it
+            prefect_client.noticed(exc)      # its server gone: said once, and no more waiting on it
             get_run_logger().debug("round artifact not published: %s", exc)
 
 
-def cell_name(cell: Cell) -> str:
+def cell_name(cell: GridCell) -> str:
     """The cell's MLflow run name and task name: method, N, the other grid values and the
     seed ("ggpo N=4 t_ref=fixed seed=42")."""
     rest = [p for p in cell.label.split(" ")[1:] if not p.startswith(("updates_per_step=", "train.updates_per_step="))]
     return " ".join([cell.method, f"N={cell.config.train.updates_per_step}", *rest, f"seed={cell.seed}"])
 
 
-def cell_runs(client, parent: str, cells: list[Cell]) -> dict[str, str]:
+def cell_runs(client, parent: str, cells: list[GridCell]) -> dict[str, str]:
     """One MLflow run per cell (nested under the flow's run): its rounds log into it."""
     out = {}
     exp = tracking.experiment_id(client, tracking.EXPERIMENTS["online"])
@@ -119,7 +121,7 @@ def cell_runs(client, parent: str, cells: list[Cell]) -> dict[str, str]:
     return out
 
 
-def submit_cells(step: Runner, cells: list[Cell], runs: dict[str, str]) -> tuple[list, list]:
+def submit_cells(step: Runner, cells: list[GridCell], runs: dict[str, str]) -> tuple[list, list]:
     """Every cell's task and every base evaluation: ([cell future], [(stub, eval future)])."""
     evals, futures = [], []
     for cell in cells:
@@ -132,7 +134,7 @@ def submit_cells(step: Runner, cells: list[Cell], runs: dict[str, str]) -> tuple
     return futures, evals
 
 
-def submit_evaluations(step: Runner, cell: Cell, done: CellResult) -> list:
+def submit_evaluations(step: Runner, cell: GridCell, done: CellResult) -> list:
     """A finished cell's evaluation points: the policies it kept, each evaluated. A cell
     that stopped early (a stall, the drift guard) kept the points before its stop and its
     policy at the stop."""
@@ -143,7 +145,7 @@ def submit_evaluations(step: Runner, cell: Cell, done: CellResult) -> list:
     return out
 
 
-def collect(cells: list[Cell], futures: list, evals: list, step: Runner, cfg: PipelineConfig, client,
+def collect(cells: list[GridCell], futures: list, evals: list, step: Runner, cfg: PipelineConfig, client,
             runs: dict[str, str]) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Wait for the cells (submitting each one's evaluations as it finishes), then the
     evaluations; (evaluations, per-update curves) with each cell's columns. Each cell run
@@ -155,12 +157,12 @@ def collect(cells: list[Cell], futures: list, evals: list, step: Runner, cfg: Pi
         evals += submit_evaluations(step, cell, done[cell_name(cell)])
     for stub, future in evals:
         cell, m = stub["cell"], future.result()
-        records.append(online_report.record(cell, cfg, stub["update"], m))
+        records.append(online.record(cell, cfg, stub["update"], m))
         tracking.log_params_metrics(client, runs[cell_name(cell)], {}, [(f"eval/{key}", m.summary[key], stub["update"])])
     for cell in cells:
         # the cell's own records (made on another machine under Ray: read where the store has them here)
         manifests = [store.resolve(r.trained) for r in done[cell_name(cell)].rounds]
-        curves.append(online_report.cell_curves(cell, cfg, manifests))
+        curves.append(online.cell_curves(cell, cfg, manifests))
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "rounds.json"
             write_text_atomic(path, json.dumps([{"stage": m.stage, "key": m.key, "folder": m.folder,
@@ -183,10 +185,10 @@ def ggpo_online(preset: str = "tiny-online", overrides: dict[str, Any] | None = 
 def algorithm_1(run: FlowRun) -> Report:
     """Every cell's rounds (sync, sample with refill, N updates) in its resident task, the
     base model evaluated once per seed and each cell's kept policies as its cell finishes;
-    then the report (pipeline/online_report.py)."""
+    then the report (pipeline/reports/online.py)."""
     runs = cell_runs(run.client, run.parent, run.cells)
     futures, evals = submit_cells(run.step, run.cells, runs)
     evaluations, curves = collect(run.cells, futures, evals, run.step, run.cfg, run.client, runs)
     folder = tracking.report_folder("online", run.preset)
-    result = online_report.log(run.client, run.parent, evaluations, curves, run.cfg, folder)
+    result = online.log(run.client, run.parent, evaluations, curves, run.cfg, folder)
     return Report(result, evaluations.to_dicts(), folder)

@@ -4,7 +4,7 @@ The paper's Algorithm 1 at scale keeps the learner and the sampler in memory for
 run: per round, a model save, a model load and a sampler start (tens of seconds to
 minutes at Qwen scale, and ~24 GB of weights and AdamW state on disk) would cost more than
 the updates. A cell holds the learner (policy, AdamW, reference and its refresh counter,
-update index, ESS block: stages/train/loop.TrainState) and one sampler engine, built once:
+update index, ESS block: pipeline/training/loop.TrainState) and one sampler engine, built once:
 
     learner <- pi_0 (or the cell's latest rolling checkpoint)
     for each round r after it:
@@ -20,7 +20,7 @@ learner now solves or fails nearly every prompt) ends the cell with online.on_st
 the learner after its last full round is kept as an online_policy and evaluated as the
 cell's final. One process only (under torchrun a stall fails the cell). The drift guard
 (online.max_round_drift) checks each round's learner-to-behavior drift at its end
-(stages/train/drift.py): above the bound it warns in one line (online.on_drift = warn) or
+(pipeline/training/drift.py): above the bound it warns in one line (online.on_drift = warn) or
 ends the cell after that round (stop), the learner after it kept as the cell's final, like
 a stall.
 
@@ -32,7 +32,7 @@ final checkpoint of the shorter run is where it starts. Memory: the trainer's ca
 blocks go back to the device before the sampler runs, and a vLLM sampler sleeps between
 rounds (runtime.release_device_memory, engine.sleep). A vLLM sampler's share of the GPU is
 planned at the cell's start from the learner's full footprint (weights, gradients, AdamW
-moments, reference, activations at the token budget: pipeline/gpu_memory.py), not
+moments, reference, activations at the token budget: pipeline/models/gpu_memory.py), not
 measured then: vLLM keeps the size it starts with, and AdamW's moments, the gradients and
 the activations only arrive with the first update.
 
@@ -58,20 +58,21 @@ from typing import Any
 
 import torch
 
-from pipeline import dag, interrupt
-from pipeline.config import PipelineConfig
-from pipeline.engines import Engine, make_engine
-from pipeline.errors import ConfigError, DiskFull, TrainingError
-from pipeline.gpu_memory import ModelShape, learner_setup, plan_sampler_memory
-from pipeline.hf import load_tokenizer
-from pipeline.runtime import Runtime, device_total_bytes, make_runtime, release_device_memory
-from pipeline.schemas import DRIFT_COLUMNS
-from pipeline.stage import run_stage
-from pipeline.store import Manifest, Store, disk_full, is_disk_full, model_path, write_text_atomic
+from pipeline.core import interrupt
+from pipeline.core.config import PipelineConfig
+from pipeline.core.errors import ConfigError, DiskFull, TrainingError
+from pipeline.core.schemas import DRIFT_COLUMNS
+from pipeline.core.store import Manifest, Store, disk_full, is_disk_full, model_path, write_text_atomic
+from pipeline.dag import graph
+from pipeline.dag.spec import run_stage
+from pipeline.models.engines import Engine, make_engine
+from pipeline.models.gpu_memory import ModelShape, learner_setup, plan_sampler_memory
+from pipeline.models.hf import load_tokenizer
+from pipeline.models.runtime import Runtime, device_total_bytes, make_runtime, release_device_memory
+from pipeline.training import checkpoint, distributed
+from pipeline.training.loop import TrainState, new_state, reference_refreshed, resume, save_policy
+from pipeline.training.torchrun import last_error, rank_setup, torchrun_argv
 from stages import online_policy, online_pool, online_train
-from stages.train import checkpoint, distributed
-from stages.train.loop import TrainState, new_state, reference_refreshed, resume, save_policy
-from stages.train.torchrun import last_error, rank_setup, torchrun_argv
 
 log = logging.getLogger("ggpo")
 STATE = "online_cell"       # the state folder's name: <cache root>/online_cell-<key16>/
@@ -108,7 +109,7 @@ class CellResult:
 
 
 @dataclass
-class Cell:
+class CellRun:
     """What a cell run knows: its config, store, base model and chain of round keys."""
     cfg: PipelineConfig
     store: Store
@@ -137,7 +138,7 @@ class Cell:
 
 
 def state_folder(store: Store, cfg: PipelineConfig) -> Path:
-    return store.root / f"{STATE}-{dag.cell_key(cfg)[:16]}"
+    return store.root / f"{STATE}-{graph.cell_key(cfg)[:16]}"
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -152,7 +153,7 @@ def checkpoints(folder: Path) -> list[tuple[int, Path, dict]]:
     return out
 
 
-def latest_checkpoint(cell: Cell, before: int | None = None) -> tuple[int, Path] | None:
+def latest_checkpoint(cell: CellRun, before: int | None = None) -> tuple[int, Path] | None:
     """The furthest checkpoint inside this run's rounds (a longer earlier run may have more)
     and before round `before`; one written for another chain is refused with one line."""
     limit = len(cell.chain) if before is None else min(before, len(cell.chain))
@@ -167,22 +168,22 @@ def latest_checkpoint(cell: Cell, before: int | None = None) -> tuple[int, Path]
     return None
 
 
-def first_missing_policy(cell: Cell) -> int | None:
+def first_missing_policy(cell: CellRun) -> int | None:
     """The round of the earliest evaluation point whose policy is not in the cache (an earlier
     run of this chain had another train.eval_every): the cell must pass through it again."""
     missing = [r for at, r in sorted(evaluation_points(cell).items()) if not has_policy(cell, at)]
     return missing[0] if missing else None
 
 
-def has_policy(cell: Cell, at: int) -> bool:
+def has_policy(cell: CellRun, at: int) -> bool:
     """Whether the policy after update `at` is cached (sizes checked, not hashes: the
     evaluation that reads it checks those)."""
-    found, problems = cell.store.inspect("online_policy", dag.expected_key(
+    found, problems = cell.store.inspect("online_policy", graph.expected_key(
         "online_policy", cell.cfg.updated({"eval.update": at})), hashes=False)
     return found is not None and not problems
 
 
-def save_cell_checkpoint(cell: Cell, r: int, st: TrainState) -> None:
+def save_cell_checkpoint(cell: CellRun, r: int, st: TrainState) -> None:
     """The learner after round r, atomically (temp folder, meta last, rename); the oldest of
     more than KEEP removed. One process: the state is copied to CPU memory now and written by
     a background thread while the next rounds run (at most one write in flight; a crash
@@ -209,7 +210,7 @@ def save_cell_checkpoint(cell: Cell, r: int, st: TrainState) -> None:
     cell.counts["checkpoint_seconds"] = round(cell.counts.get("checkpoint_seconds", 0.0) + time.perf_counter() - t0, 4)
 
 
-def commit_checkpoint(cell: Cell, final: Path, state: dict | None, meta: dict) -> None:
+def commit_checkpoint(cell: CellRun, final: Path, state: dict | None, meta: dict) -> None:
     """`state` (a snapshot; None: already in the temp folder) written, cell.json last, the
     folder renamed into place, the oldest beyond KEEP removed."""
     tmp = final.with_name(final.name + ".tmp")
@@ -241,7 +242,7 @@ class Writer(threading.Thread):
     error: BaseException | None = None
 
 
-def finish_writes(cell: Cell) -> None:
+def finish_writes(cell: CellRun) -> None:
     """Wait for the checkpoint write in flight (before the next one, and when the cell ends)."""
     if cell.writer is not None:
         cell.writer.join()
@@ -257,13 +258,13 @@ def finish_writes(cell: Cell) -> None:
 
 # --------------------------------------------------------------------------- one round
 
-def round_manifest(cell: Cell, stage: str, r: int) -> Manifest | None:
+def round_manifest(cell: CellRun, stage: str, r: int) -> Manifest | None:
     """Round r's cached artifact of `stage` (marked a cache hit), or None."""
     found = cell.store.load(stage, cell.chain[r][stage]) if r >= 0 else None
     return found.model_copy(update={"cache_hit": True}) if found is not None else None
 
 
-def committed(cell: Cell, stage: str, r: int) -> Manifest:
+def committed(cell: CellRun, stage: str, r: int) -> Manifest:
     """Round r's artifact of `stage` that rank 0 committed before the last barrier."""
     found = round_manifest(cell, stage, r)
     if found is None:
@@ -293,7 +294,7 @@ def wait_group(cfg: PipelineConfig):
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=wait_seconds(cfg)))
 
 
-def barrier(cell: Cell) -> None:
+def barrier(cell: CellRun) -> None:
     """Every rank here before any goes on (under torchrun; on the cell's CPU group)."""
     if distributed.current() is not None:
         import torch.distributed as dist
@@ -309,7 +310,7 @@ def learner_weights(st: TrainState) -> list[tuple[str, torch.Tensor]]:
     return distributed.full_parameters_on_main(st.model)
 
 
-def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy: Manifest) -> Manifest:
+def round_pool(cell: CellRun, st: TrainState, cfg_r: PipelineConfig, r: int, policy: Manifest) -> Manifest:
     """Round r's pool: the cached one (replayed, never sampled twice), or sampled now by the
     engine synced to the learner (Algorithm 1 line 3). Under torchrun rank 0 samples and
     commits it, the others read it."""
@@ -328,7 +329,7 @@ def round_pool(cell: Cell, st: TrainState, cfg_r: PipelineConfig, r: int, policy
 
 def sampler_share(cfg: PipelineConfig, model, rt: Runtime) -> float | None:
     """The share of this GPU a vLLM sampler may take beside the learner `model` for the
-    whole cell (pipeline/gpu_memory.py; None: no vLLM on a GPU here), logged."""
+    whole cell (pipeline/models/gpu_memory.py; None: no vLLM on a GPU here), logged."""
     if cfg.rollout.engine != "vllm" or rt.device.type != "cuda":
         return None
     d = distributed.current()
@@ -342,7 +343,7 @@ def sampler_share(cfg: PipelineConfig, model, rt: Runtime) -> float | None:
     return plan.gpu_memory_utilization
 
 
-def sync_and_sample(cell: Cell, weights: list, cfg_r: PipelineConfig, policy: Manifest) -> Manifest:
+def sync_and_sample(cell: CellRun, weights: list, cfg_r: PipelineConfig, policy: Manifest) -> Manifest:
     """The engine (built once per cell, on its first round that samples, with its planned
     share of the GPU) synced to `weights`, then the round's pool."""
     if cell.engine is None:
@@ -366,16 +367,16 @@ def sync_and_sample(cell: Cell, weights: list, cfg_r: PipelineConfig, policy: Ma
     return pool
 
 
-def evaluation_points(cell: Cell) -> dict[int, int]:
+def evaluation_points(cell: CellRun) -> dict[int, int]:
     """{update: round} of the policies the run keeps (train.eval_every and the end)."""
     return {at: r for r, _, at in cell.cfg.train.online_eval_points()}
 
 
-def pending(cell: Cell, at: int) -> Path:
+def pending(cell: CellRun, at: int) -> Path:
     return cell.folder / "pending" / f"update_{at:06d}"
 
 
-def keep_policies(cell: Cell, r: int, trained: Manifest) -> None:
+def keep_policies(cell: CellRun, r: int, trained: Manifest) -> None:
     """Round r's evaluation points: each policy saved after its update (pending/), now
     committed as an online_policy artifact (rank 0)."""
     for at in sorted(u for u, rr in evaluation_points(cell).items() if rr == r):
@@ -384,7 +385,7 @@ def keep_policies(cell: Cell, r: int, trained: Manifest) -> None:
     barrier(cell)
 
 
-def adopt_policy(cell: Cell, at: int, trained: Manifest) -> Manifest:
+def adopt_policy(cell: CellRun, at: int, trained: Manifest) -> Manifest:
     """The policy saved after update `at` (pending/) committed as an online_policy artifact
     whose input is `trained`, the record of the round that holds the update (rank 0)."""
     policy = run_stage(online_policy.SPEC, cell.cfg.updated({"eval.update": at}), {"round": trained}, cell.store,
@@ -393,7 +394,7 @@ def adopt_policy(cell: Cell, at: int, trained: Manifest) -> Manifest:
     return policy
 
 
-def record_round(cell: Cell, cfg_r: PipelineConfig, inputs: dict[str, Manifest], rows: list[dict]) -> Manifest:
+def record_round(cell: CellRun, cfg_r: PipelineConfig, inputs: dict[str, Manifest], rows: list[dict]) -> Manifest:
     """The round's record (rank 0 writes it; under torchrun the others read it), checked
     against a cached record when the round was replayed."""
     r = cfg_r.online.round
@@ -406,7 +407,7 @@ def record_round(cell: Cell, cfg_r: PipelineConfig, inputs: dict[str, Manifest],
     return trained if cell.main else committed(cell, "online_train", r)
 
 
-def one_round(cell: Cell, st: TrainState, r: int, prev: Manifest | None) -> tuple[Manifest, Manifest]:
+def one_round(cell: CellRun, st: TrainState, r: int, prev: Manifest | None) -> tuple[Manifest, Manifest]:
     """Round r: its pool (cached, or sampled now), the N updates, its record, its policies."""
     cfg_r = cell.cfg.updated({"online.round": r})
     pool = round_pool(cell, st, cfg_r, r, prev or cell.base)
@@ -427,7 +428,7 @@ def one_round(cell: Cell, st: TrainState, r: int, prev: Manifest | None) -> tupl
 
 # --------------------------------------------------------------------------- the cell
 
-def start(cell: Cell) -> tuple[TrainState, int, Manifest | None]:
+def start(cell: CellRun) -> tuple[TrainState, int, Manifest | None]:
     """The learner at the latest checkpoint (or pi_0), the first round to run, the record of
     the round before it."""
     base = model_path(cell.base)
@@ -455,7 +456,7 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
         return launch(cfg, store, base, on_round)
     tc = cfg.train
     rounds = tc.updates // tc.updates_per_step
-    cell = Cell(cfg, store, base, [dag.online_keys(cfg, r) for r in range(rounds)], state_folder(store, cfg),
+    cell = CellRun(cfg, store, base, [graph.online_keys(cfg, r) for r in range(rounds)], state_folder(store, cfg),
                 make_runtime(tc), load_tokenizer(model_path(base)))
     if distributed.current() is not None:
         cell.waits = wait_group(cfg)
@@ -513,7 +514,7 @@ def done_round(rounds: list[CellRound], r: int, pool: Manifest, trained: Manifes
 def cached_round(cfg: PipelineConfig, store: Store, r: int) -> tuple[Manifest, Manifest]:
     """A round finished before (behind the checkpoint a cell resumed from, or by torchrun's
     ranks): its pool and record, from the cache."""
-    keys = dag.online_keys(cfg, r)
+    keys = graph.online_keys(cfg, r)
     pool, trained = store.load("online_pool", keys["online_pool"]), store.load("online_train", keys["online_train"])
     if pool is None or trained is None:
         raise TrainingError(f"online cell: round {r} is finished, but its {'online_pool' if pool is None else 'online_train'} "
@@ -528,7 +529,7 @@ def kept_policies(cfg: PipelineConfig, store: Store, rounds: int, written: dict[
     cache (an earlier run of the chain wrote them). One missing is said with its update."""
     out = {}
     for at in cfg.train.online_eval_updates(rounds):
-        found = written.get(at) or store.load("online_policy", dag.expected_key("online_policy",
+        found = written.get(at) or store.load("online_policy", graph.expected_key("online_policy",
                                                                                  cfg.updated({"eval.update": at})))
         if found is None:
             raise TrainingError(f"online cell {cfg.train.method} seed {cfg.seed} finished without its policy after "
@@ -537,7 +538,7 @@ def kept_policies(cfg: PipelineConfig, store: Store, rounds: int, written: dict[
     return out
 
 
-def stop_at_stall(cell: Cell, st: TrainState, r: int, prev: Manifest, exc: Exception) -> dict:
+def stop_at_stall(cell: CellRun, st: TrainState, r: int, prev: Manifest, exc: Exception) -> dict:
     """Round r could not fill its pool: the learner after round r - 1 becomes the cell's last
     policy (an online_policy at its update, evaluated by the flow). A rerun replays to here
     and stalls again (the draws are seeded), finding that policy cached."""
@@ -558,7 +559,7 @@ def rounds_done(stopped: dict | None, rounds: int) -> int:
     return stopped["round"] + (stopped["cause"] == "drift")
 
 
-def drift_guard(cell: Cell, st: TrainState, r: int, prev: Manifest, rounds: int) -> dict | None:
+def drift_guard(cell: CellRun, st: TrainState, r: int, prev: Manifest, rounds: int) -> dict | None:
     """online.max_round_drift after round r: None to go on (no bound, within it, a warning,
     or the last round anyway); else the stop, with the learner after round r kept as an
     online_policy at its update (the cell's final, evaluated by the flow), as a stall keeps

@@ -13,9 +13,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import PipelineConfig
-from pipeline.stage import Built, StageSpec
-from pipeline.store import Manifest
+from pipeline.core.config import PipelineConfig
+from pipeline.core.store import Manifest
+from pipeline.dag.spec import Built, StageSpec
 
 FILES = {"weights": ("model/model.safetensors", None), "model_config": ("model/config.json", None)}
 

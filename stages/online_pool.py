@@ -35,15 +35,16 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from pipeline import progress, tasks
-from pipeline.config import PipelineConfig
-from pipeline.engines import SamplingParams
-from pipeline.errors import RefillError
-from pipeline.grading import grade_many
-from pipeline.schemas import TRAIN_POOL, typed_table, write_parquet
-from pipeline.seeding import derive_seed, permutation
-from pipeline.stage import Built, StageSpec
-from pipeline.store import Manifest
+from pipeline.core.config import PipelineConfig
+from pipeline.core.errors import RefillError
+from pipeline.core.schemas import TRAIN_POOL, typed_table, write_parquet
+from pipeline.core.seeding import derive_seed, permutation
+from pipeline.core.store import Manifest
+from pipeline.dag.spec import Built, StageSpec
+from pipeline.models.engines import SamplingParams
+from pipeline.services import progress
+from pipeline.tasks import catalog
+from pipeline.tasks.grading import grade_many
 from stages.online_round import RoundStart
 from stages.rollout import prompt_table, rollout_table
 
@@ -108,7 +109,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, ctx: S
     """The round's pool from the cell's engine (synced to this round's policy by the cell)."""
     rc, tc, at, engine = cfg.rollout, cfg.train, RoundStart.after(inputs["policy"]), ctx.engine
     r, need, per_draw = at.round, tc.updates_per_step * tc.groups_per_update, cfg.online.per_draw(cfg.train)
-    problems = tasks.splits(cfg.task)["train"]
+    problems = catalog.splits(cfg.task)["train"]
     drawn: list[dict] = []      # one entry per drawn prompt, for draws.parquet
     seconds = {"generate": 0.0, "grade": 0.0}   # the round's work, for the overhead figure
     retries = [0, 0]                            # responses graded twice, final timeouts
@@ -158,7 +159,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, ctx: S
         "cumulative_responses": at.cumulative_responses + refill.responses,
         "pool_mean_reward": sum(table["reward"]) / max(n, 1), "engine": engine.name,
         "generate_seconds": seconds["generate"], "grade_seconds": seconds["grade"],
-        "grading_retries": retries[0], "grading_timeouts": retries[1], **tasks.file_report(cfg.task)})
+        "grading_retries": retries[0], "grading_timeouts": retries[1], **catalog.file_report(cfg.task)})
 
 
 

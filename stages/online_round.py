@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from pipeline.store import Manifest
+from pipeline.core.store import Manifest
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,10 @@ is the same round whatever the run's length, so a longer run reuses it) and `rol
     for j in 0..N-1:    update u = round * N + j on C[j*G_mb : (j+1)*G_mb]  (j updates stale)
         loss; backward; clip; step; u += 1; refresh pi_ref when u % t_ref == 0
 
-The updates are the offline loop's (stages/train/loop.py): same loss, micro-batches and
+The updates are the offline loop's (pipeline/training/loop.py): same loss, micro-batches and
 diagnostics. Writes `metrics.parquet` (ONLINE_METRICS: the offline columns plus round,
 staleness j, max |log rho|, the cumulative prompts drawn and responses generated, and on
-the round's last row its learner-to-behavior drift, stages/train/drift.py) and a summary
+the round's last row its learner-to-behavior drift, pipeline/training/drift.py) and a summary
 that the next round's pool starts from (prompt cursor, cumulative counts) and holds the
 drift. Records written before the drift existed lack it (the report shows it empty): the
 drift is a function of the round's key (its final weights and pool), so the key stays.
@@ -28,14 +28,14 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 
-from pipeline.config import PipelineConfig
-from pipeline.errors import TrainingError
-from pipeline.schemas import ONLINE_METRICS, write_parquet
-from pipeline.stage import Built, StageSpec
-from pipeline.store import Manifest
+from pipeline.core.config import PipelineConfig
+from pipeline.core.errors import TrainingError
+from pipeline.core.schemas import ONLINE_METRICS, write_parquet
+from pipeline.core.store import Manifest
+from pipeline.dag.spec import Built, StageSpec
+from pipeline.training.drift import drift_sample, round_drift
+from pipeline.training.loop import TrainContext, TrainState, load_pool, run_updates
 from stages.online_round import RoundPool, RoundRecord
-from stages.train.drift import drift_sample, round_drift
-from stages.train.loop import TrainContext, TrainState, load_pool, run_updates
 
 # what a round's key does not depend on (the run's length, evaluation and checkpoint schedules)
 NOT_ROUND_CONTENT = ("train.updates", "train.eval_every", "train.checkpoint_every")
@@ -76,7 +76,7 @@ def train_round(st: TrainState, cfg: PipelineConfig, inputs: dict[str, Manifest]
                        desc=f"round {s.round} {tc.method} seed {cfg.seed}")
     run_updates(st, ctx, stop, after_update=after_update)
     # the learner after the round's N updates against the round's behavior log-probs: on
-    # its last row (the round's end), the other rows None (stages/train/drift.py)
+    # its last row (the round's end), the other rows None (pipeline/training/drift.py)
     drift = round_drift(st.model, pool, drift_sample(len(pool.group_ids), g, cfg.seed, s.round), cfg,
                         tokenizer.pad_token_id, rt)
     return [r | {"round": s.round, "staleness": r["update"] - 1 - first, "prompts_drawn": s.cumulative_prompts,

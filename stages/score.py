@@ -12,7 +12,7 @@ anyone reading the manifest can tell these from sampled log-probs: they are the 
 model's probabilities of text someone else sampled, which GRPO+TIS and behavior-anchored
 GRPO then treat as pi_beh.
 
-The log-probs are computed by the trainer's own code (stages.train.loop step_anchor: the
+The log-probs are computed by the trainer's own code (pipeline.training.loop step_anchor: the
 same micro-batches, runtime and LM head as a step start's lp_old), so scoring with the
 base model gives what the trainer computes for pi_0. The scoring model must tokenize as
 the pool's base model did (the vocabularies are compared).
@@ -25,15 +25,15 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from pipeline.config import PipelineConfig
-from pipeline.errors import ConfigError
-from pipeline.hf import load_model, load_tokenizer
-from pipeline.runtime import make_runtime
-from pipeline.schemas import TRAIN_POOL, write_parquet
-from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store, canonical_json, sha256_cached
+from pipeline.core.config import PipelineConfig
+from pipeline.core.errors import ConfigError
+from pipeline.core.schemas import TRAIN_POOL, write_parquet
+from pipeline.core.store import Manifest, Store, canonical_json, sha256_cached
+from pipeline.dag.spec import Built, StageSpec, run_stage
+from pipeline.models.hf import load_model, load_tokenizer
+from pipeline.models.runtime import make_runtime
+from pipeline.training.loop import TrainContext, check_token_ids, load_pool, step_anchor
 from stages.pool_import import vocab_sha256
-from stages.train.loop import TrainContext, check_token_ids, load_pool, step_anchor
 
 
 def scored_by(cfg: PipelineConfig) -> str:

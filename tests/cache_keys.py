@@ -15,15 +15,15 @@ METHODS = ("grpo", "grpo_tis", "agro", "ggpo")
 def all_keys() -> dict[str, dict[str, list[str]]]:
     """{preset: {"offline" | "online": sorted "stage key" lines}} with every method in the
     experiment (the preset's grid and seeds kept)."""
-    from pipeline import dag
-    from pipeline.config import load_config, preset_names
+    from pipeline.core.config import load_config, preset_names
+    from pipeline.dag import graph
 
     out = {}
     for preset in preset_names():
         cfg = load_config(preset, {"experiment.methods": list(METHODS)})
         out[preset] = {
-            "offline": sorted(f"{s} {k}" for s, k in dag.experiment_keys(cfg)),
-            "online": sorted(f"{s} {k}" for s, k in dag.online_experiment_keys(cfg)),
+            "offline": sorted(f"{s} {k}" for s, k in graph.experiment_keys(cfg)),
+            "online": sorted(f"{s} {k}" for s, k in graph.online_experiment_keys(cfg)),
         }
     return out
 

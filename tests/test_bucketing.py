@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.config import load_config
-from pipeline.runtime import BUCKET_OVERHEAD_TOKENS, make_runtime
-from pipeline.store import Store
+from pipeline.core.config import load_config
+from pipeline.core.store import Store
+from pipeline.models.runtime import BUCKET_OVERHEAD_TOKENS, make_runtime
+from pipeline.training.packing import bucket_rows
+from pipeline.training.policy import Buckets, make_batch, token_logprobs
 from stages import train
-from stages.train.packing import bucket_rows
-from stages.train.policy import Buckets, make_batch, token_logprobs
 
 from tolerance import assert_close, assert_same_training
 
@@ -111,7 +111,7 @@ def test_bucketed_training_equals_padded_training_and_repeats(tmp_path, base_man
     """Two GGPO updates on the CPU (float64) with buckets (auto) and one padded batch per
     micro-batch (off): the same metrics and weights within rounding; buckets twice: the
     same bytes (float32 too); and one cache key (placement, not content)."""
-    from stages.train import policy
+    from pipeline.training import policy
     calls: list[int] = []
     real = policy._bucketed_logprobs
     monkeypatch.setattr(policy, "_bucketed_logprobs", lambda model, b, *a: (calls.append(len(b.parts)), real(model, b, *a))[1])

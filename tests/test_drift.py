@@ -1,4 +1,4 @@
-"""The learner-to-behavior drift at a round's end (stages/train/drift.py) and its guard
+"""The learner-to-behavior drift at a round's end (pipeline/training/drift.py) and its guard
 (online.max_round_drift): the value against an fp64 computation of its definition on the
 tiny model, the record and curves that carry it, and the guard warning, stopping a real
 small cell, or doing nothing when off; the guard's fields never enter a key."""
@@ -12,14 +12,15 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline import dag, tracking
-from pipeline.config import load_config
-from pipeline.hf import load_model, load_tokenizer
-from pipeline.runtime import make_runtime
-from pipeline.store import Store, model_path
+from pipeline.core.config import load_config
+from pipeline.core.store import Store, model_path
+from pipeline.dag import graph
+from pipeline.models.hf import load_model, load_tokenizer
+from pipeline.models.runtime import make_runtime
+from pipeline.services import tracking
+from pipeline.training.drift import drift_sample, drift_sums, from_sums, round_drift
+from pipeline.training.pool import Pool
 from stages.online_cell import run_cell
-from stages.train.drift import drift_sample, drift_sums, from_sums, round_drift
-from stages.train.pool import Pool
 
 SMALL = {"train.updates_per_step": 2, "train.method": "ggpo", "train.eval_every": None, "train.updates": 6}
 
@@ -92,12 +93,12 @@ def test_a_cell_records_its_drift_and_the_guard_warns_stops_or_stays_off(tmp_pat
     with caplog.at_level(logging.WARNING, logger="ggpo"):
         counts = run_cell(cfg, store, base_manifest).counts
     assert counts["stalled"] is None and counts["rounds"] == 3 and "drift" not in caplog.text
-    rows = pl.concat([pl.read_parquet(store.load("online_train", dag.online_keys(cfg, r)["online_train"]).path("metrics"))
+    rows = pl.concat([pl.read_parquet(store.load("online_train", graph.online_keys(cfg, r)["online_train"]).path("metrics"))
                       for r in range(3)])
     ends = rows.filter(pl.col("round_drift").is_not_null())
     assert ends["update"].to_list() == [2, 4, 6] and rows.height == 6
     assert all(d > 0 for d in ends["round_drift"]) and all(d > 0 for d in ends["round_drift_seq"])
-    record = store.load("online_train", dag.online_keys(cfg, 2)["online_train"])
+    record = store.load("online_train", graph.online_keys(cfg, 2)["online_train"])
     assert record.summary["round_drift"] == ends["round_drift"][-1]
     logged = [(k, v, step) for k, v, step in tracking.training_curves(record) if k.startswith("train/round_drift")]
     assert logged == [("train/round_drift", ends["round_drift"][-1], 6), ("train/round_drift_seq", ends["round_drift_seq"][-1], 6)]
@@ -117,13 +118,13 @@ def test_a_cell_records_its_drift_and_the_guard_warns_stops_or_stays_off(tmp_pat
         == ("drift", 0, 2, 1)
     assert "above online.max_round_drift = 1e-09" in counts["stalled"]["reason"]
     assert stop.train.online_eval_updates(counts["rounds"]) == [2]
-    assert fresh.load("online_policy", dag.expected_key("online_policy", stop.updated({"eval.update": 2}))) is not None
-    assert fresh.load("online_train", dag.online_keys(stop, 1)["online_train"]) is None     # round 1 never ran
+    assert fresh.load("online_policy", graph.expected_key("online_policy", stop.updated({"eval.update": 2}))) is not None
+    assert fresh.load("online_train", graph.online_keys(stop, 1)["online_train"]) is None     # round 1 never ran
 
 
 def test_the_guard_fields_enter_no_key():
     a = load_config("tiny-regime")
     b = a.updated({"online.max_round_drift": 0.1, "online.on_drift": "stop"})
-    assert dag.cell_key(a) == dag.cell_key(b)
+    assert graph.cell_key(a) == graph.cell_key(b)
     for stage in ("base", "rollout", "verify", "filter", "train", "evaluate", "online_pool", "online_train"):
-        assert dag.expected_key(stage, a) == dag.expected_key(stage, b), stage
+        assert graph.expected_key(stage, a) == graph.expected_key(stage, b), stage

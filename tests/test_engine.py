@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from pipeline.engines import SamplingParams
-from pipeline.engines.hf import TransformersEngine
-from stages.base import model_path
-from stages.train.policy import make_batch, token_logprobs
+from pipeline.models.engines import SamplingParams
+from pipeline.models.engines.hf import TransformersEngine
+from pipeline.training.policy import make_batch, token_logprobs
+from stages.base_model import model_path
 
 from tolerance import assert_close
 
@@ -45,7 +45,7 @@ def test_stop_ids_include_the_generation_config_eos_list(base_manifest, tmp_path
     import json
     import shutil
 
-    from pipeline.engines import stop_token_ids
+    from pipeline.models.engines import stop_token_ids
     folder = tmp_path / "model"
     shutil.copytree(model_path(base_manifest), folder)
     engine = TransformersEngine(str(folder))
@@ -101,7 +101,7 @@ def test_finished_rows_leaving_the_batch_change_no_draw(base_manifest, monkeypat
     tokens it draws when every row stays to the end (the pre-#26 loop): the noise is drawn for
     every original row. The log-probs are the same computation at another batch size, which
     CPU kernels may round differently: a few ulps of the weights' dtype on logits of size ~10."""
-    from pipeline.engines import hf
+    from pipeline.models.engines import hf
     engine = TransformersEngine(model_path(base_manifest), batch_prompts=4, dtype=dtype)
     params = SamplingParams(8, 1.0, 1.0, 20, seed=11)
     shrinking = engine.generate(PROMPTS, params)

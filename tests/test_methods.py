@@ -1,4 +1,4 @@
-"""One record per method (pipeline/methods.py): the table and the losses agree, config reads
+"""One record per method (pipeline/core/methods.py): the table and the losses agree, config reads
 it, and a method added from outside (one loss function, one entry, GGPO_PLUGINS) trains
 through `ggpo stage train`."""
 from __future__ import annotations
@@ -11,11 +11,12 @@ import textwrap
 import polars as pl
 import pytest
 
-from pipeline import dag, methods
-from pipeline.config import load_config
-from pipeline.errors import ConfigError
-from pipeline.store import Store
-from stages.train.losses import LOSSES, get_loss
+from pipeline.core import methods
+from pipeline.core.config import load_config
+from pipeline.core.errors import ConfigError
+from pipeline.core.store import Store
+from pipeline.dag import graph
+from pipeline.training.losses import LOSSES, get_loss
 
 from conftest import BIN, REPO
 
@@ -24,7 +25,7 @@ def test_losses_are_keyed_as_the_method_table():
     assert tuple(LOSSES) == methods.BUILT_IN
     for name in methods.BUILT_IN:
         module, _, fn = methods.METHODS[name].loss.partition(":")
-        assert module == "stages.train.losses" and LOSSES[name].__name__ == fn and get_loss(name) is LOSSES[name]
+        assert module == "pipeline.training.losses" and LOSSES[name].__name__ == fn and get_loss(name) is LOSSES[name]
 
 
 # what each method needed before the table, as config hard-coded it (the table must keep it):
@@ -60,7 +61,7 @@ PLUGIN = textwrap.dedent('''
     """A toy method from outside the project: REINFORCE with the group-mean baseline."""
     import os
 
-    from pipeline.methods import Method, register_method
+    from pipeline.core.methods import Method, register_method
 
 
     def toy_loss(inp, cfg):
@@ -100,15 +101,15 @@ def test_a_toy_method_registered_by_a_plugin_trains_through_the_cli(plugin, base
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     assert "train: built" in res.stdout
     cfg = load_config("smoke", ["train.method=toy", "train.updates=2"])
-    trained = Store().load("train", dag.expected_key("train", cfg))
+    trained = Store().load("train", graph.expected_key("train", cfg))
     assert trained.summary["method"] == "toy" and trained.summary["t_ref"] == 3     # the entry's default
     assert pl.read_parquet(trained.path("metrics"))["update"].to_list() == [1, 2]
     assert calls.read_text().count("call") >= 2          # its loss, at least once per update
 
 
 def test_a_pool_without_what_a_method_needs_is_refused_in_one_line(plugin, tmp_path, pool):
-    from pipeline.errors import TrainingError
-    from stages.train.loop import load_pool
+    from pipeline.core.errors import TrainingError
+    from pipeline.training.loop import load_pool
     path = tmp_path / "pool.parquet"
     pl.read_parquet(pool[2].path("train_pool")).with_columns(pl.lit(None).alias("behavior_logprobs")).write_parquet(path)
     tc = load_config("smoke", ["train.method=toy_beh"]).train

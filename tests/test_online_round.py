@@ -11,10 +11,10 @@ import polars as pl
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.config import load_config
-from pipeline.errors import ExpectedError, MissingContext
-from pipeline.stage import run_stage
-from pipeline.store import Manifest, Store
+from pipeline.core.config import load_config
+from pipeline.core.errors import ExpectedError, MissingContext
+from pipeline.core.store import Manifest, Store
+from pipeline.dag.spec import run_stage
 from stages import online_policy, online_pool, online_train
 from stages.online_round import RoundPool, RoundRecord, RoundStart
 
@@ -73,8 +73,8 @@ def test_a_cell_stage_asked_to_build_without_its_cell_says_what_builds_it(tmp_pa
 def test_the_pool_handed_to_training_in_memory_equals_its_artifact(tmp_path, base_manifest):
     """The sampler's pool goes to training as an Arrow table cast through TRAIN_POOL: the
     same schema and values a re-read of the artifact gives (polars frames equal too)."""
-    from pipeline.engines import make_engine
-    from stages.base import model_path
+    from pipeline.models.engines import make_engine
+    from stages.base_model import model_path
     cfg = load_config("smoke-online", {"train.updates_per_step": 2, "train.method": "grpo_tis"})
     shutil.copytree(base_manifest.folder, tmp_path / Path(base_manifest.folder).name)
     rc = cfg.rollout

@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import dag
-from pipeline.config import ConfigError, load_config
-from pipeline.errors import NonFiniteUpdate, TrainingError
-from pipeline.store import MANIFEST, Store
+from pipeline.core.config import ConfigError, load_config
+from pipeline.core.errors import NonFiniteUpdate, TrainingError
+from pipeline.core.store import MANIFEST, Store
+from pipeline.dag import graph
+from pipeline.training import checkpoint, loop
 from stages import train
-from stages.train import checkpoint, loop
 
 from conftest import BIN, REPO, sigkill_after_checkpoint
 from tolerance import rounding_tol
@@ -26,7 +26,7 @@ def test_sigkill_then_rerun_resumes_bit_exact(tmp_path, base_manifest, pool):
     argv = [str(BIN / "ggpo"), "stage", "train", "--preset", "smoke", "--no-track"]
     for item in KILL_CFG:
         argv += ["--set", item]
-    folder = Store().folder("train", dag.expected_key("train", cfg))
+    folder = Store().folder("train", graph.expected_key("train", cfg))
     sigkill_after_checkpoint(argv, folder / "checkpoints", 2, 12)
     assert not (folder / MANIFEST).exists()
     resumed = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -57,7 +57,7 @@ def test_non_finite_update_stops_with_update_and_method(tmp_path, base_manifest,
     store = Store(tmp_path)
     with pytest.raises(NonFiniteUpdate, match=r"update 5 \(method agro\): non-finite"):
         train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=store)
-    state = checkpoint.load(store.folder("train", dag.expected_key("train", cfg)) / "checkpoints")
+    state = checkpoint.load(store.folder("train", graph.expected_key("train", cfg)) / "checkpoints")
     assert state["update"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
 
 
