@@ -17,9 +17,9 @@ import argparse
 import tempfile
 import time
 
-from pipeline.config import load_config
-from pipeline.store import Store
-from stages import base, filter as filt, rollout, train, verify
+from pipeline.core.config import load_config
+from pipeline.core.store import Store
+from stages import base_model, filter as filt, rollout, train, verify
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config("tiny", args.overrides + [f"train.updates={args.updates}", "train.eval_every=null",
                                                 f"train.checkpoint_every={args.updates}"])
-    b = base.run(cfg)
+    b = base_model.run(cfg)
     roll = rollout.run(cfg, {"base": b})
     ver = verify.run(cfg, {"rollout": roll})
     pool = filt.run(cfg, {"rollout": roll, "verify": ver})

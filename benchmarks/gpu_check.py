@@ -24,9 +24,9 @@ figures a section had before it failed):
   (b) the transformers engine's generation tokens/s (64 prompts x 256 new tokens).
   (c) vLLM's generation tokens/s through the project's VLLMEngine, or "vllm: not installed".
 
-Uses from the project: pipeline.runtime.make_runtime (Runtime.prepare / prepare_reference),
-stages.train.loop.Pool and run_update(..., runtime=rt), pipeline.engines.hf.TransformersEngine,
-pipeline.engines.vllm_engine.VLLMEngine, pipeline.config.load_config, pipeline.tiny_model.save.
+Uses from the project: pipeline.models.runtime.make_runtime (Runtime.prepare / prepare_reference),
+pipeline.training.loop.Pool and run_update(..., runtime=rt), pipeline.models.engines.hf.TransformersEngine,
+pipeline.models.engines.vllm_engine.VLLMEngine, pipeline.core.config.load_config, pipeline.models.tiny_model.save.
 All figures go to stdout, and as JSON to --out when given.
 """
 from __future__ import annotations
@@ -121,7 +121,7 @@ def build_model(g: dict, device: torch.device):
 def make_pool(g: dict, length: int, seed: int):
     """A pool of random token ids: `groups` groups x `group_size` responses of `length`
     tokens, mixed 0/1 rewards per group, behaviour log-probs near a uniform model's."""
-    from stages.train.loop import Pool
+    from pipeline.training.loop import Pool
     rng = random.Random(seed)
     m, n, top = g["group_size"], g["groups"], g["vocab"] - 1
     lp = -float(torch.log(torch.tensor(float(g["vocab"]))))
@@ -148,13 +148,15 @@ def model_flops(pool, groups: list[int], n_params: int, g: dict) -> float:
 
 def one_update(model, reference, opt, pool, cfg, rt, n_params: int, g: dict) -> dict:
     """run_update + optimizer step, timed; the figures of one update."""
-    from stages.train.loop import run_update
+    from pipeline.training.loop import TrainContext, TrainState, run_update
+    from pipeline.training.reference import ReferenceCache
     if rt.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     groups = list(range(len(pool.group_ids)))
     sync(rt.device)
     t0 = time.perf_counter()
-    row = run_update(model, reference, pool, groups, cfg, 0, lp_old=None, runtime=rt)
+    row = run_update(TrainState(model, reference, opt, ref_cache=ReferenceCache(enabled=False)),
+                     TrainContext(cfg, pool, rt, 0), groups)
     sync(rt.device)
     t1 = time.perf_counter()
     opt.step()
@@ -180,8 +182,8 @@ def train_section(model, g: dict, args, out: dict | None = None) -> dict:
     error and the next still runs."""
     import copy
 
-    from pipeline.config import load_config
-    from pipeline.runtime import make_runtime
+    from pipeline.core.config import load_config
+    from pipeline.models.runtime import make_runtime
     result = out if out is not None else {}
     result |= {"micro_batch_tokens": args.micro_batch_tokens, "updates": []}
     for packing in ("off", "on"):
@@ -230,8 +232,8 @@ def train_section(model, g: dict, args, out: dict | None = None) -> dict:
 
 def transformers_section(folder: Path, g: dict, device: torch.device, threads: int) -> dict:
     """(b): TransformersEngine generation on the model folder."""
-    from pipeline.engines import SamplingParams
-    from pipeline.engines.hf import TransformersEngine
+    from pipeline.models.engines import SamplingParams
+    from pipeline.models.engines.hf import TransformersEngine
     kwargs = {"batch_prompts": g["gen_prompts"], "threads": threads, "device": str(device)}
     t0 = time.perf_counter()
     engine = TransformersEngine(str(folder), **kwargs)
@@ -258,8 +260,8 @@ def vllm_section(folder: Path, g: dict) -> dict:
     except Exception as exc:
         print(f"vllm: not installed ({type(exc).__name__})")
         return {"skipped": "vllm: not installed"}
-    from pipeline.engines import SamplingParams
-    from pipeline.engines.vllm_engine import VLLMEngine
+    from pipeline.models.engines import SamplingParams
+    from pipeline.models.engines.vllm_engine import VLLMEngine
     t0 = time.perf_counter()
     engine = VLLMEngine(str(folder), gpu_memory_utilization=0.6)
     init_s = time.perf_counter() - t0
@@ -282,7 +284,7 @@ def vllm_section(folder: Path, g: dict) -> dict:
 
 def model_section(g: dict, device: torch.device, folder: Path, built: dict) -> dict:
     """The model and tokenizer, saved as an HF folder (the generation sections load it)."""
-    from pipeline.tiny_model import save
+    from pipeline.models.tiny_model import save
     t0 = time.perf_counter()
     tok = build_tokenizer(g["tok_vocab"])
     built["model"] = build_model(g, device)

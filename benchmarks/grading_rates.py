@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
 
-from pipeline import grading
+from pipeline.tasks import grading
 
 
 def responses(n: int, seed: int = 0) -> tuple[list[str], list[tuple[str, ...]]]:

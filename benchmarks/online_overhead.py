@@ -45,13 +45,18 @@ DRIVER = r'''
 import json, sys, time
 from pathlib import Path
 import polars as pl
-from pipeline import dag
-from pipeline.config import load_config
-from pipeline.store import Store
+try:                                    # this layout
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
+    from pipeline.dag import graph
+except ImportError:                     # a checkout from before pipeline/ had sub-packages (--before)
+    from pipeline import dag as graph
+    from pipeline.config import load_config
+    from pipeline.store import Store
 a = json.loads(sys.argv[1])
 cfg = load_config(a["preset"], a["overrides"])
 store = Store(a["cache"])
-base = store.load("base", dag.expected_key("base", cfg))
+base = store.load("base", graph.expected_key("base", cfg))
 assert base is not None, "the base model was not copied in: its key differs between the checkouts"
 rounds, ends, ckpt, every = cfg.train.updates // cfg.train.updates_per_step, [], {}, 0
 if Path("stages/online_cell.py").exists():      # this checkout's (the resident cell)
@@ -69,14 +74,14 @@ else:                                           # per-round stages: the flow's c
     prev = None
     for r in range(rounds):
         c = cfg.updated({"online.round": r})
-        pool = dag.run("online_pool", c, {"policy": prev or base}, store)
-        prev = dag.run("online_train", c, {"base": base, "pool": pool} | ({"state": prev} if prev else {}), store)
+        pool = graph.run("online_pool", c, {"policy": prev or base}, store)
+        prev = graph.run("online_train", c, {"base": base, "pool": pool} | ({"state": prev} if prev else {}), store)
         ends.append(time.perf_counter())
 import stages.online_pool
 assert stages.online_pool.__file__.startswith(str(Path.cwd())), stages.online_pool.__file__
 per_round = []
 for r in range(1, rounds):
-    keys = dag.online_keys(cfg, r)
+    keys = graph.online_keys(cfg, r)
     pool, trained = store.load("online_pool", keys["online_pool"]), store.load("online_train", keys["online_train"])
     per_round.append({"wall": ends[r] - ends[r - 1], "sampling": pool.summary["generate_seconds"],
                       "grading": pool.summary["grade_seconds"],
@@ -108,11 +113,11 @@ def build_base(preset: str, overrides: dict) -> Path:
     import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     sys.path.insert(0, str(REPO))
-    from pipeline import dag
-    from pipeline.config import load_config
-    from pipeline.store import Store
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
+    from pipeline.dag import graph
     cfg = load_config(preset, overrides)
-    return Path(dag.run("base", cfg, {}, Store()).folder)
+    return Path(graph.run("base", cfg, {}, Store()).folder)
 
 
 def steady(r: dict) -> dict:

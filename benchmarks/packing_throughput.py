@@ -38,7 +38,7 @@ def lengths(n: int, median: int, top: int, seed: int) -> list[int]:
 
 
 def make_pool(groups: int, m: int, vocab: int, median: int, top: int, seed: int):
-    from stages.train.pool import Pool
+    from pipeline.training.pool import Pool
     rng = random.Random(seed)
     lens = lengths(groups * m, median, top, seed)
     responses = [[[rng.randrange(3, vocab) for _ in range(lens[g * m + i])] for i in range(m)] for g in range(groups)]
@@ -63,8 +63,9 @@ def one_update(model, pool, cfg, packing: str) -> float:
     """Seconds of one update's forward + backward under `packing` (on | off)."""
     import copy
 
-    from pipeline.runtime import make_runtime
-    from stages.train.loop import run_update
+    from pipeline.models.runtime import make_runtime
+    from pipeline.training.loop import TrainContext, TrainState, run_update
+    from pipeline.training.reference import ReferenceCache
     c = cfg.updated({"train.packing": packing})
     rt = make_runtime(c.train)
     policy = rt.prepare(model)
@@ -72,7 +73,8 @@ def one_update(model, pool, cfg, packing: str) -> float:
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    run_update(policy, reference, pool, list(range(len(pool.group_ids))), c, 0, runtime=rt)
+    st = TrainState(policy, reference, torch.optim.AdamW(policy.parameters()), ref_cache=ReferenceCache(enabled=False))
+    run_update(st, TrainContext(c, pool, rt, 0), list(range(len(pool.group_ids))))
     if rt.device.type == "cuda":
         torch.cuda.synchronize()
     policy.zero_grad(set_to_none=True)
@@ -90,7 +92,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from pipeline.config import load_config
+    from pipeline.core.config import load_config
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     vocab = 151_936 if args.full else 4096
     pool = make_pool(args.groups, 8, vocab, args.median, args.max, seed=0)
@@ -98,7 +100,7 @@ def main() -> None:
     cfg = load_config("tiny", {"train.groups_per_update": args.groups, "train.micro_batch_tokens": args.budget,
                                "train.method": "ggpo", "train.device": device.type})
     tokens = sum(len(r) for g in pool.responses for r in g)
-    from stages.train.pool import micro_batches
+    from pipeline.training.pool import micro_batches
     padded_cells = sum(len(b) * 8 * max(32 + max(len(r) for r in pool.responses[g]) for g in b)
                        for b in micro_batches(pool, list(range(args.groups)), cfg.train, packed=False))
     real = sum(pool.tokens(g) for g in range(args.groups))

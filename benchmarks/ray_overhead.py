@@ -182,9 +182,9 @@ def digests(cache: Path) -> dict[str, str]:
 
 def base_folder(preset: str, overrides: list[str]) -> Path:
     """The preset's base model artifact, built into the default store when missing."""
-    from pipeline.config import load_config
-    from stages import base
-    return Path(base.run(load_config(preset, overrides)).folder)
+    from pipeline.core.config import load_config
+    from stages import base_model
+    return Path(base_model.run(load_config(preset, overrides)).folder)
 
 
 def main() -> None:

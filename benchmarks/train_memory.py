@@ -26,8 +26,10 @@ def child(args) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from pipeline.config import load_config
-    from stages.train.loop import Pool, run_update
+    from pipeline.core.config import load_config
+    from pipeline.models.runtime import make_runtime
+    from pipeline.training.loop import Pool, TrainContext, TrainState, run_update
+    from pipeline.training.reference import ReferenceCache
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     conf = Qwen3Config(vocab_size=VOCAB, hidden_size=args.hidden, num_hidden_layers=2, num_attention_heads=2,
@@ -46,7 +48,8 @@ def child(args) -> None:
     cfg = load_config("tiny", ["train.method=ggpo", f"train.groups_per_update={g}", "train.device=cpu",
                                f"train.logprob_impl={args.impl}"] + args.set)
     start = time.perf_counter()
-    row = run_update(model, reference, pool, list(range(g)), cfg, pad_id=0)
+    st = TrainState(model, reference, torch.optim.AdamW(model.parameters()), ref_cache=ReferenceCache(enabled=False))
+    row = run_update(st, TrainContext(cfg, pool, make_runtime(cfg.train), 0), list(range(g)))
     seconds = time.perf_counter() - start
     hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
     print(json.dumps({"peak_rss_gb": hwm / 1024 ** 2, "seconds": seconds, "loss": row["loss"],

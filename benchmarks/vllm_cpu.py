@@ -27,9 +27,9 @@ from typing import Any
 def trainer_logprobs(model, prompt_ids, responses, temperature, train_cfg):
     import torch
 
-    from pipeline.runtime import make_runtime
-    from stages.train.loop import policy_logprobs
-    from stages.train.policy import make_batch
+    from pipeline.models.runtime import make_runtime
+    from pipeline.training.loop import policy_logprobs
+    from pipeline.training.policy import make_batch
     out = []
     for start in range(0, len(responses), 64):
         batch = make_batch(prompt_ids[start:start + 64], responses[start:start + 64], 0)
@@ -50,23 +50,23 @@ def main() -> None:
     import polars as pl
     import torch
 
-    from pipeline import tasks
-    from pipeline.config import load_config
-    from pipeline.engines import SamplingParams, make_engine
-    from pipeline.engines.vllm_engine import VLLMEngine
-    from pipeline.hf import load_model
-    from stages import base, rollout
-    from stages.base import model_path
+    from pipeline.core.config import load_config
+    from pipeline.models.engines import SamplingParams, make_engine
+    from pipeline.models.engines.vllm_engine import VLLMEngine
+    from pipeline.models.hf import load_model
+    from pipeline.tasks import catalog
+    from stages import base_model, rollout
+    from stages.base_model import model_path
 
     cfg = load_config("smoke", {"rollout.engine": "vllm"})
-    folder = model_path(base.run(cfg))
+    folder = model_path(base_model.run(cfg))
     model = load_model(folder).eval()
     t0 = time.perf_counter()
     engine = make_engine("vllm", folder, rollout_cfg=cfg.rollout, seed=cfg.seed, resident=True)
     assert isinstance(engine, VLLMEngine)
     result: dict[str, Any] = {"start_seconds": round(time.perf_counter() - t0, 1)}
-    problems = tasks.splits(cfg.task)["train"][:args.prompts]
-    prompts = [tasks.format_prompt(p.problem) for p in problems]
+    problems = catalog.splits(cfg.task)["train"][:args.prompts]
+    prompts = [catalog.format_prompt(p.problem) for p in problems]
     outs = engine.generate(prompts, SamplingParams(args.n, 1.0, 1.0, cfg.rollout.max_new_tokens, 1))
     ids = [engine.tokenizer(p)["input_ids"] for p in prompts]
     rows = [(p, c) for p, g in zip(ids, outs) for c in g]
@@ -82,7 +82,7 @@ def main() -> None:
     result["sync_seconds"] = round(sum(times) / len(times), 4)
     engine.close()
 
-    pool = rollout.run(cfg, {"base": base.run(cfg)})
+    pool = rollout.run(cfg, {"base": base_model.run(cfg)})
     table = pl.read_parquet(pool.path("rollouts"))
     want = trainer_logprobs(model, table["prompt_token_ids"].to_list(), table["response_token_ids"].to_list(),
                             cfg.rollout.temperature, cfg.train)

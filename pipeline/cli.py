@@ -24,10 +24,15 @@ from typing import cast
 
 from pydantic import ValidationError
 
-from pipeline import dag, grading, interrupt, online_report, orchestration, paths, pool_source, report, services, stage, tracking
-from pipeline.config import PRESET_DIR, load_config, parse_overrides, preset_names
-from pipeline.errors import BenchmarkError, ConfigError, DatasetError, DiskFull, ExpectedError, NonFiniteUpdate, PoolError
-from pipeline.store import Store, gc_plan, verify_all
+from pipeline.core import interrupt, paths
+from pipeline.core.config import PRESET_DIR, load_config, parse_overrides, preset_names
+from pipeline.core.errors import BenchmarkError, ConfigError, DatasetError, DiskFull, ExpectedError, NonFiniteUpdate, PoolError
+from pipeline.core.methods import METHODS
+from pipeline.core.store import Store, gc_plan, verify_all
+from pipeline.dag import graph, spec
+from pipeline.reports import offline, online
+from pipeline.services import prefect_client, servers, tracking
+from pipeline.tasks import grading, pool_source
 
 
 def _config_args(p: argparse.ArgumentParser, default: str | None = "tiny") -> None:
@@ -56,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
                      help="run it as the served deployment ggpo/<flow> (after ggpo up), with its logs here; "
                           "Ctrl-C cancels the Prefect run, which stops at safe points")
     st = sub.add_parser("stage", help="run one stage from the cached artifacts of its inputs")
-    st.add_argument("name", choices=dag.STAGE_NAMES + ("online",),
+    st.add_argument("name", choices=graph.STAGE_NAMES + ("online",),
                     help="a stage, or `online`: one online cell, every round (the cell of --preset/--set)")
     _config_args(st)
     st.add_argument("--force", action="store_true", help="recompute even if cached")
@@ -93,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def cmd_up(args) -> int:
-    state = services.up(args.prefect_port, args.mlflow_port)
+    state = servers.up(args.prefect_port, args.mlflow_port)
     word = "already up" if state.get("already_up") else "up"
     print(f"ggpo services {word} (state: {paths.state_dir()})")
     print(f"  Prefect UI: {state['urls']['prefect_ui']}\n  MLflow UI:  {state['urls']['mlflow']}")
@@ -107,7 +112,7 @@ def cmd_up(args) -> int:
 
 def print_unreported() -> None:
     """Flow runs that ended while the Prefect server was down: their end, told to it now."""
-    for line in orchestration.report_unreported():
+    for line in prefect_client.report_unreported():
         print(f"  {line}")
 
 
@@ -115,11 +120,11 @@ def print_exports(state: dict) -> None:
     """The prefect CLI reads prefect.toml (port 4200) and knows nothing of other ports."""
     if state["ports"]["prefect"] != paths.DEFAULT_PORTS["prefect"] or state["ports"]["mlflow"] != paths.DEFAULT_PORTS["mlflow"]:
         print("  other ports than 4200/5000: in another shell, before `prefect deployment run ...`:\n    "
-              + "\n    ".join(services.exports()) + "\n  (or: eval \"$(ggpo env)\")")
+              + "\n    ".join(servers.exports()) + "\n  (or: eval \"$(ggpo env)\")")
 
 
 def cmd_env(args) -> int:
-    lines = services.exports()
+    lines = servers.exports()
     if not lines:
         print("ggpo: no servers recorded here (ggpo up starts them)", file=sys.stderr)
         return 1
@@ -128,7 +133,7 @@ def cmd_env(args) -> int:
 
 
 def cmd_status(args) -> int:
-    state = services.status()
+    state = servers.status()
     if not state:
         print("ggpo services are down (ggpo up starts them)")
         return 1
@@ -146,7 +151,7 @@ DEFAULT_PRESET = {"offline": "tiny", "online": "tiny-online"}
 
 def cmd_run(args) -> int:
     args.preset = args.preset or DEFAULT_PRESET[args.flow]
-    from pipeline.preflight import check_run
+    from pipeline.dag.preflight import check_run
     # config, data and every prerequisite before any server, worker or model starts: a bad
     # --set or task file answers in seconds, with nothing of Prefect's after it
     check_run(args.flow, args.preset, _overrides(args), args.force)
@@ -155,17 +160,17 @@ def cmd_run(args) -> int:
     # Prefect's state and result pickles under $GGPO_HOME, not ~/.prefect
     os.environ.setdefault("PREFECT_HOME", str(paths.state_dir() / "prefect"))
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(paths.state_dir() / "prefect" / "storage"))
-    orchestration.settings()    # bounded client retries: read once, at `import prefect`
+    prefect_client.settings()    # bounded client retries: read once, at `import prefect`
     ensure_prefect_api()
     if args.flow == "online":
         from flows.online import ggpo_online as ggpo
     else:
         from flows.offline import ggpo
-    orchestration.install()     # a server that goes away mid-run: one line, the run goes on
+    prefect_client.install()     # a server that goes away mid-run: one line, the run goes on
     if not args.debug:
         for name in ("prefect.task_runs", "prefect.flow_runs"):
             logging.getLogger(name).addFilter(drop_expected_tracebacks)
-    stage.clear_failures()
+    spec.clear_failures()
     interrupt.reset()
     try:
         result = ggpo(preset=args.preset, overrides=_overrides(args), force=args.force)
@@ -173,8 +178,8 @@ def cmd_run(args) -> int:
         if interrupt.requested():       # the flow ended Cancelled: its stages stopped at safe points
             return interrupted()
         # the flow fails on "upstream task did not complete": name the stage failure behind it
-        from pipeline import placement  # stage failures on Ray workers (experiment.task_runner=ray)
-        cause = next((e for _, e in stage.failures() + placement.failures() if expected_error(e) is not None), None)
+        from pipeline.dag import placement  # stage failures on Ray workers (experiment.task_runner=ray)
+        cause = next((e for _, e in spec.failures() + placement.failures() if expected_error(e) is not None), None)
         if cause is None or expected_error(exc) is not None:
             raise
         raise cause from exc
@@ -188,15 +193,15 @@ def cmd_run(args) -> int:
 def run_deployment(args) -> int:
     """The served deployment ggpo/<flow>, watched from here: its logs (the stages' progress)
     as they come, and on Ctrl-C the Prefect run is cancelled; the serve process then stops
-    it at its safe points (SIGTERM: pipeline/interrupt.py) and it ends Cancelled."""
-    state = services.status()
+    it at its safe points (SIGTERM: pipeline/core/interrupt.py) and it ends Cancelled."""
+    state = servers.status()
     if not state:
-        raise services.ServiceError("ggpo run --deployment needs the servers and the deployment: run `ggpo up` first")
-    sick = services.not_healthy(state)
+        raise servers.ServiceError("ggpo run --deployment needs the servers and the deployment: run `ggpo up` first")
+    sick = servers.not_healthy(state)
     if sick:
-        raise services.ServiceError(f"ggpo run --deployment: {sick}")
+        raise servers.ServiceError(f"ggpo run --deployment: {sick}")
     os.environ["PREFECT_API_URL"] = state["urls"]["prefect_api"]
-    orchestration.settings()
+    prefect_client.settings()
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import FlowRun
     from prefect.deployments import run_deployment as start
@@ -222,9 +227,9 @@ def watch_flow_run(client, run_id, serve_pid: int | None = None):
     try:
         return _watch_flow_run(client, run_id, serve_pid)
     except Exception as exc:
-        if not orchestration.connection_error(exc):
+        if not prefect_client.connection_error(exc):
             raise
-        raise services.ServiceError(f"the Prefect server at {os.environ.get('PREFECT_API_URL')} stopped answering "
+        raise servers.ServiceError(f"the Prefect server at {os.environ.get('PREFECT_API_URL')} stopped answering "
                                     f"while this command watched flow run {run_id}; `ggpo up` restarts it "
                                     f"(see {paths.state_dir() / 'logs' / 'prefect.log'})") from None
 
@@ -248,8 +253,8 @@ def _watch_flow_run(client, run_id, serve_pid: int | None):
         seen += len(logs)
         if flow_run.state is not None and flow_run.state.is_final():
             return flow_run.state
-        if serve_pid and not services.alive(serve_pid):
-            raise services.ServiceError(f"{services.WHAT['serve']} (pid {serve_pid}) is gone, so flow run "
+        if serve_pid and not servers.alive(serve_pid):
+            raise servers.ServiceError(f"{servers.WHAT['serve']} (pid {serve_pid}) is gone, so flow run "
                                         f"{flow_run.name} stays {flow_run.state_name}; `ggpo up` restarts it "
                                         f"(see {paths.state_dir() / 'logs' / 'serve.log'})")
         time.sleep(1.0)
@@ -292,27 +297,27 @@ def ensure_prefect_api() -> None:
     every event went to a websocket at "" and failed ("Error emitting event", "Service
     'EventsWorker' failed"). With one explicit URL both go to the same temporary server."""
     explicit = os.environ.get("PREFECT_API_URL")
-    url = explicit if explicit and services.healthy(f"{explicit}/health") else services.ours("prefect")
+    url = explicit if explicit and servers.healthy(f"{explicit}/health") else servers.ours("prefect")
     if url:
         os.environ["PREFECT_API_URL"] = url
         return
     probe = f"http://127.0.0.1:{paths.prefect_port()}/api"
-    if services.healthy(f"{probe}/health"):
-        print(f"ggpo: note: {services.foreign(probe, 'Prefect')}; using a temporary one "
+    if servers.healthy(f"{probe}/health"):
+        print(f"ggpo: note: {servers.foreign(probe, 'Prefect')}; using a temporary one "
               f"(PREFECT_API_URL={probe} would use it)", file=sys.stderr)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_HOME", str(paths.state_dir() / "prefect"))
     # Prefect creates its home without parents and then fails to open its database
     os.makedirs(os.environ["PREFECT_HOME"], exist_ok=True)
-    port = services.free_port()
+    port = servers.free_port()
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
     server = detached_server(port)
     server.start()          # stopped by Prefect's own atexit hook, after this process's own shutdown
     _TEMPORARY_SERVER.append(server)
     if server.api_url != os.environ["PREFECT_API_URL"]:   # port taken between our check and its bind
         server.stop()
-        raise services.ServiceError(f"Prefect's temporary server could not bind port {port}; run again, "
+        raise servers.ServiceError(f"Prefect's temporary server could not bind port {port}; run again, "
                                     "or start the servers with `ggpo up`")
 
 
@@ -374,8 +379,8 @@ def cmd_stage(args) -> int:
 
 def run_one_stage(name: str, cfg, args, inputs_of=None) -> int:
     """Build (or find) one stage from its cached inputs and print its manifest; inputs_of:
-    another way to get the inputs (default: the cache, dag.cached_inputs)."""
-    from pipeline.preflight import preflight
+    another way to get the inputs (default: the cache, graph.cached_inputs)."""
+    from pipeline.dag.preflight import preflight
     preflight(cfg, name)      # device, engine, model, data, disk: every prerequisite before any work
     store = Store()
     interrupt.reset()
@@ -383,8 +388,8 @@ def run_one_stage(name: str, cfg, args, inputs_of=None) -> int:
         try:
             if name == "online":
                 return stage_online(cfg, store, args)
-            inputs = (inputs_of or dag.cached_inputs)(name, cfg, store, args.preset)
-            manifest = dag.run(name, cfg, inputs, store, args.force)
+            inputs = (inputs_of or graph.cached_inputs)(name, cfg, store, args.preset)
+            manifest = graph.run(name, cfg, inputs, store, args.force)
         except interrupt.Interrupted:
             return interrupted()
     print_manifest(name, manifest, store)
@@ -395,7 +400,7 @@ def run_one_stage(name: str, cfg, args, inputs_of=None) -> int:
 
 
 def print_manifest(name: str, manifest, store: Store) -> None:
-    print(f"{name}: {stage.outcome(manifest)}\n  key    {manifest.key}\n  folder {manifest.folder}")
+    print(f"{name}: {spec.outcome(manifest)}\n  key    {manifest.key}\n  folder {manifest.folder}")
     if store.url:
         print(f"  store  {store.address(manifest)}")
     for name, entry in manifest.files.items():
@@ -419,7 +424,8 @@ def cmd_pool(args) -> int:
     code = run_one_stage("pool_import", cfg, args, inputs_of=built_inputs)
     sets = " ".join(f"--set '{k}={v if isinstance(v, str) else json.dumps(v)}'" for k, v in pool.items() if v != {})
     if not pool_source.load(cfg.pool).has_behavior:     # what trains without behavior log-probs
-        sets += " --set 'experiment.methods=[\"grpo\",\"agro\",\"ggpo\"]' --set train.anchor=old"
+        trainable = [m.name for m in METHODS.values() if not m.needs_behavior("old")]
+        sets += f" --set 'experiment.methods={json.dumps(trainable, separators=(',', ':'))}' --set train.anchor=old"
     print(f"train on it: ggpo stage train --preset {args.preset} {sets} --set train.method=ggpo\n"
           f"         or: ggpo run offline --preset {args.preset} {sets}")
     return code
@@ -427,17 +433,17 @@ def cmd_pool(args) -> int:
 
 def built_inputs(name: str, cfg, store: Store, preset: str) -> dict:
     """The stage's inputs, each from the cache or built now from its own cached inputs."""
-    return {n: dag.run(src, c, dag.cached_inputs(src, c, store, preset), store)
-            for n, (src, c) in dag.sources(name, cfg).items()}
+    return {n: graph.run(src, c, graph.cached_inputs(src, c, store, preset), store)
+            for n, (src, c) in graph.sources(name, cfg).items()}
 
 
 def stage_online(cfg, store: Store, args) -> int:
     """`ggpo stage online`: the cell of this config (one method, one seed), all its rounds,
     resumed from its checkpoint and cached rounds; prints its counts and last round."""
     from stages.online_cell import run_cell
-    base = dag.run("base", cfg, {}, store)
-    counts = run_cell(cfg, store, base)
-    last = store.load("online_train", counts["final_round"])
+    base = graph.run("base", cfg, {}, store)
+    result = run_cell(cfg, store, base)
+    counts, last = result.counts, result.last
     assert last is not None     # run_cell returns after recording its last round (there is at least one)
     print(f"online cell {cfg.train.method} seed {cfg.seed}: {counts['rounds']} rounds, {counts['update']} updates\n"
           f"  counts {json.dumps({k: v for k, v in counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})}\n"
@@ -478,7 +484,7 @@ def cache_verify(store: Store) -> int:
 
 def cache_gc(store: Store, args) -> int:
     import shutil
-    versions = {name: dag.spec(name).version for name in dag.STAGE_NAMES}
+    versions = {name: graph.spec(name).version for name in graph.STAGE_NAMES}
     protected = preset_experiment_keys() if args.unreferenced else None
     plan = gc_plan(store, versions, protected, args.all)
     for folder, why, size in plan:
@@ -497,7 +503,7 @@ def preset_experiment_keys() -> set[tuple[str, str]]:
     for name in preset_names():
         try:
             cfg = load_config(name)
-            keys |= dag.experiment_keys(cfg) | dag.online_experiment_keys(cfg)
+            keys |= graph.experiment_keys(cfg) | graph.online_experiment_keys(cfg)
         except Exception as exc:    # e.g. a preset whose benchmark files are not here
             raise ConfigError(f"cache gc --unreferenced: the keys of preset '{name}' cannot be computed "
                               f"({str(exc).splitlines()[0]}), so it would not know what to keep; "
@@ -508,13 +514,13 @@ def preset_experiment_keys() -> set[tuple[str, str]]:
 def cmd_report(args) -> int:
     """The experiment's stage timings and tables, from the cache the flow wrote (the flow is
     the preset's experiment.flow; online: the flow's report tables, byte for byte)."""
-    from pipeline.preflight import flow_overrides
+    from pipeline.dag.preflight import flow_overrides
     cfg = load_config(args.preset, flow_overrides(args.overrides))
     flow = cfg.experiment.flow
     if flow == "online":
-        evals, curves, timings = online_report.from_cache(cfg, Store())
+        evals, curves, timings = online.from_cache(cfg, Store())
     else:
-        evals, _, timings = report.from_cache(cfg, Store())
+        evals, curves, timings = offline.from_cache(cfg, Store())
     print_timings(args.preset, timings)
     if not evals.height:
         print("nothing evaluated yet for this experiment: run it with "
@@ -522,10 +528,13 @@ def cmd_report(args) -> int:
     elif flow == "online":
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
-            table, _ = online_report.write(evals, curves, Path(tmp), f"mean@{cfg.eval.n_samples}")
+            table, _ = online.write(evals, curves, Path(tmp), f"mean@{cfg.eval.n_samples}")
         print(table)
     else:
-        print(report.markdown(report.summarize(evals), f"mean@{cfg.eval.n_samples}"))
+        print(offline.markdown(offline.summarize(evals), f"mean@{cfg.eval.n_samples}"))
+        diag = offline.diagnostics(curves)
+        if diag.height:
+            print(offline.markdown_diagnostics(diag, list(offline.DIAGNOSTICS), offline.DIAGNOSTICS_TITLE))
     print(f"MLflow: {tracking.tracking_uri()} (experiment {tracking.EXPERIMENTS[flow]})")
     return 0
 
@@ -544,7 +553,7 @@ def print_timings(preset: str, timings: list[tuple[str, float | None]]) -> None:
 
 
 def cmd_down(args) -> int:
-    print("ggpo services stopped" if services.down() else "ggpo services were not running")
+    print("ggpo services stopped" if servers.down() else "ggpo services were not running")
     return 0
 
 

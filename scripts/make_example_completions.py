@@ -15,24 +15,24 @@ import json
 import sys
 from pathlib import Path
 
-from pipeline import tasks
-from pipeline.config import load_config
-from pipeline.engines import SamplingParams, make_engine
-from pipeline.grading import grade_many
-from pipeline.seeding import derive_seed
-from pipeline.store import model_path
-from stages import base
+from pipeline.core.config import load_config
+from pipeline.core.seeding import derive_seed
+from pipeline.core.store import model_path
+from pipeline.models.engines import SamplingParams, make_engine
+from pipeline.tasks import catalog
+from pipeline.tasks.grading import grade_many
+from stages import base_model
 
 PROBLEMS, RESPONSES = 48, 8
 
 
 def main(out: Path) -> None:
     cfg = load_config("smoke")
-    engine = make_engine("transformers", model_path(base.run(cfg)), batch_prompts=64, threads=1, device="cpu")
-    problems = tasks.splits(cfg.task)["train"][:PROBLEMS]
+    engine = make_engine("transformers", model_path(base_model.run(cfg)), batch_prompts=64, threads=1, device="cpu")
+    problems = catalog.splits(cfg.task)["train"][:PROBLEMS]
     params = SamplingParams(RESPONSES, 1.0, 1.0, cfg.rollout.max_new_tokens, derive_seed(0, "example_completions/sample"),
                             logprobs=False)
-    outs = engine.generate([tasks.format_prompt(p.problem) for p in problems], params)
+    outs = engine.generate([catalog.format_prompt(p.problem) for p in problems], params)
     texts = [c.text for group in outs for c in group]
     graded = grade_many(texts, [(p.answer,) for p in problems for _ in range(RESPONSES)], 5.0, workers=1)
     with open(out, "w") as f:

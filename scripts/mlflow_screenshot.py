@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 EXPERIMENT = "ggpo-offline"
-RUNS_VIEW_QUERY = "workflowType=machine_learning&compareRunsMode=CHART"     # same as pipeline.tracking.RUNS_VIEW_QUERY
+RUNS_VIEW_QUERY = "workflowType=machine_learning&compareRunsMode=CHART"     # same as pipeline.services.tracking.RUNS_VIEW_QUERY
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--hide-scrollbars"]

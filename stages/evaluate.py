@@ -19,15 +19,16 @@ from typing import Callable
 
 import polars as pl
 
-from pipeline import benchmarks, progress, tasks
-from pipeline.config import PipelineConfig
-from pipeline.engines import SamplingParams, make_engine
-from pipeline.grading import grade_many, summary as grading_summary
-from pipeline.metrics import pass_at_k, problem_weighted_average
-from pipeline.schemas import EVAL_SAMPLES, write_parquet
-from pipeline.seeding import derive_seed
-from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store, model_path
+from pipeline.core.config import PipelineConfig
+from pipeline.core.metrics import pass_at_k, problem_weighted_average
+from pipeline.core.schemas import EVAL_SAMPLES, write_parquet
+from pipeline.core.seeding import derive_seed
+from pipeline.core.store import Manifest, Store, model_path
+from pipeline.dag.spec import Built, StageSpec, run_stage
+from pipeline.models.engines import SamplingParams, make_engine
+from pipeline.services import progress
+from pipeline.tasks import benchmarks, catalog
+from pipeline.tasks.grading import grade_many, summary as grading_summary
 
 AVG = "avg"   # the problem-weighted average row of the per-benchmark table
 
@@ -36,16 +37,16 @@ def eval_problems(cfg: PipelineConfig) -> list[benchmarks.BenchProblem]:
     ec = cfg.eval
     if not ec.benchmarks:
         return [benchmarks.BenchProblem(p.id, "task", p.problem, (p.answer,))
-                for p in tasks.splits(cfg.task)["eval"][:ec.limit]]
+                for p in catalog.splits(cfg.task)["eval"][:ec.limit]]
     return [p for name in ec.benchmarks for p in benchmarks.load(name, ec.data_dir)[:ec.limit]]
 
 
 def prompt_builder(cfg: PipelineConfig, tokenizer) -> tuple[str, Callable[[str], str]]:
-    """(description of the template, problem -> prompt text) for eval.prompt (tasks.prompt_builder)."""
+    """(description of the template, problem -> prompt text) for eval.prompt (catalog.prompt_builder)."""
     kind = cfg.eval.prompt
     if kind == "auto":
         kind = "chat" if cfg.eval.benchmarks else "task"
-    return tasks.prompt_builder(kind, tokenizer)
+    return catalog.prompt_builder(kind, tokenizer)
 
 
 def generate(engine, prompts: list[str], cfg: PipelineConfig, desc: str = "evaluate") -> tuple[list, float]:
@@ -120,7 +121,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         **{f"{r['benchmark']}/mean_at_{n}": r[f"mean_at_{n}"] for r in scores.iter_rows(named=True)
            if r["benchmark"] != AVG and len(scores) > 1},
         **{k: v for k, v in grading_summary(graded).items() if k in ("grading_retries", "grading_timeouts")},
-        **({} if ec.benchmarks else tasks.file_report(cfg.task)),
+        **({} if ec.benchmarks else catalog.file_report(cfg.task)),
         "prompt_template": template, "generation_samples_per_second": rows / gen_seconds,
         "grading_samples_per_second": rows / grade_seconds})
 

@@ -13,10 +13,10 @@ from typing import cast
 
 import polars as pl
 
-from pipeline.config import PipelineConfig
-from pipeline.schemas import TRAIN_POOL, write_parquet
-from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store
+from pipeline.core.config import PipelineConfig
+from pipeline.core.schemas import TRAIN_POOL, write_parquet
+from pipeline.core.store import Manifest, Store
+from pipeline.dag.spec import Built, StageSpec, run_stage
 
 
 def keep_mixed(rows: pl.DataFrame, m: int, where: str = "filter") -> tuple[pl.DataFrame, dict]:

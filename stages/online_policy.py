@@ -10,27 +10,31 @@ rolling checkpoints), so a run's disk does not grow with its rounds. Input `roun
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import PipelineConfig
-from pipeline.errors import ConfigError
-from pipeline.stage import Built, StageSpec
-from pipeline.store import Manifest
+from pipeline.core.config import PipelineConfig
+from pipeline.core.store import Manifest
+from pipeline.dag.spec import Built, StageSpec
 
 FILES = {"weights": ("model/model.safetensors", None), "model_config": ("model/config.json", None)}
 
 
-def adopt(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, saved: Path) -> Built:
-    """The policy the cell saved right after update eval.update (before its round's record
-    existed: the record is this artifact's input), moved in."""
+@dataclass(frozen=True)
+class Saved:
+    """What an online cell hands this build: the folder where it saved its learner right
+    after update eval.update (before its round's record existed: the record is this
+    artifact's input)."""
+    path: Path
+
+
+def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, ctx: Saved) -> Built:
+    """The policy the cell saved, moved in."""
     shutil.rmtree(folder / "model", ignore_errors=True)
-    shutil.move(str(saved), folder / "model")
+    shutil.move(str(ctx.path), folder / "model")
     return Built(files=dict(FILES), summary={"updates": cfg.eval.update, "method": cfg.train.method, "seed": cfg.seed})
 
 
-def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
-    raise ConfigError(f"the online policy after update {cfg.eval.update} is written by its cell: run the cell "
-                      "(`ggpo stage online` or `ggpo run online`) with train.eval_every covering that update")
-
-
-SPEC = StageSpec(name="online_policy", version=1, reads=("eval.update",), build=build)
+SPEC = StageSpec(name="online_policy", version=1, reads=("eval.update",), build=build, context=Saved,
+                 without_context="an online policy is written by its cell: run the cell (`ggpo stage online` or "
+                 "`ggpo run online`) with train.eval_every covering that update")

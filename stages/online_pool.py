@@ -35,15 +35,17 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from pipeline import progress, tasks
-from pipeline.config import PipelineConfig
-from pipeline.engines import SamplingParams
-from pipeline.errors import ConfigError, RefillError
-from pipeline.grading import grade_many
-from pipeline.schemas import TRAIN_POOL, write_parquet
-from pipeline.seeding import derive_seed, permutation
-from pipeline.stage import Built, StageSpec
-from pipeline.store import Manifest
+from pipeline.core.config import PipelineConfig
+from pipeline.core.errors import RefillError
+from pipeline.core.schemas import TRAIN_POOL, typed_table, write_parquet
+from pipeline.core.seeding import derive_seed, permutation
+from pipeline.core.store import Manifest
+from pipeline.dag.spec import Built, StageSpec
+from pipeline.models.engines import SamplingParams
+from pipeline.services import progress
+from pipeline.tasks import catalog
+from pipeline.tasks.grading import grade_many
+from stages.online_round import RoundStart
 from stages.rollout import prompt_table, rollout_table
 
 DRAWS = pa.schema([("draw", pa.int32()), ("position", pa.int64()), ("prompt_id", pa.string()),
@@ -94,26 +96,26 @@ def loader_positions(start: int, n: int, n_prompts: int, seed: int) -> list[int]
     return [_epoch(n_prompts, seed, pos // n_prompts)[pos % n_prompts] for pos in range(start, start + n)]
 
 
-def round_start(policy: Manifest) -> dict:
-    """Where this round starts: round index, updates done, loader cursor and cumulative counts."""
-    if policy.stage != "online_train":
-        return {"round": 0, "update": 0, "prompt_cursor": 0, "cumulative_prompts": 0, "cumulative_responses": 0}
-    s = policy.summary
-    return {"round": s["round"] + 1, "update": s["updates"], "prompt_cursor": s["prompt_cursor"],
-            "cumulative_prompts": s["cumulative_prompts"], "cumulative_responses": s["cumulative_responses"]}
+@dataclass
+class Sampler:
+    """What an online cell hands its round's pool build: the resident engine, synced to the
+    round's policy. The build leaves the pool's table here (`table`: TRAIN_POOL, cast as
+    written) so training takes it in memory while the artifact holds the same rows."""
+    engine: Any
+    table: pa.Table | None = None
 
 
-def sample_round(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, engine) -> Built:
-    """The round's pool from `engine` (synced to this round's policy by the cell)."""
-    rc, tc, at = cfg.rollout, cfg.train, round_start(inputs["policy"])
-    r, need, per_draw = at["round"], tc.updates_per_step * tc.groups_per_update, cfg.online.per_draw(cfg.train)
-    problems = tasks.splits(cfg.task)["train"]
+def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, ctx: Sampler) -> Built:
+    """The round's pool from the cell's engine (synced to this round's policy by the cell)."""
+    rc, tc, at, engine = cfg.rollout, cfg.train, RoundStart.after(inputs["policy"]), ctx.engine
+    r, need, per_draw = at.round, tc.updates_per_step * tc.groups_per_update, cfg.online.per_draw(cfg.train)
+    problems = catalog.splits(cfg.task)["train"]
     drawn: list[dict] = []      # one entry per drawn prompt, for draws.parquet
     seconds = {"generate": 0.0, "grade": 0.0}   # the round's work, for the overhead figure
     retries = [0, 0]                            # responses graded twice, final timeouts
 
     def draw(d: int) -> list[tuple[Any, list[float]]]:
-        start = at["prompt_cursor"] + d * per_draw
+        start = at.prompt_cursor + d * per_draw
         picked = [problems[i] for i in loader_positions(start, per_draw, len(problems), cfg.seed)]
         prompts = prompt_table(picked, engine.tokenizer, cfg.task.prompt)
         params = SamplingParams(rc.group_size, rc.temperature, rc.top_p, rc.max_new_tokens,
@@ -145,26 +147,28 @@ def sample_round(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path,
         drawn[index]["kept"] = True
         for k in TRAIN_POOL.names:
             table[k] += [position] * rc.group_size if k == "group" else group[k]
-    n = write_parquet(table, TRAIN_POOL, folder / "pool.parquet")
+    ctx.table = typed_table(table, TRAIN_POOL)      # training takes it in memory; the file holds the same
+    n = write_parquet(ctx.table, TRAIN_POOL, folder / "pool.parquet")
     n_draws = write_parquet({k: [x[k] for x in drawn] for k in DRAWS.names}, DRAWS, folder / "draws.parquet")
     return Built(files={"train_pool": ("pool.parquet", n), "draws": ("draws.parquet", n_draws)}, summary={
-        "round": r, "start_update": at["update"], "draws": refill.draws, "prompts_drawn": refill.prompts,
+        "round": r, "start_update": at.update, "draws": refill.draws, "prompts_drawn": refill.prompts,
         "responses_generated": refill.responses, "groups_mixed": refill.mixed, "groups_kept": len(refill.kept),
         "groups_discarded": refill.prompts - len(refill.kept),
-        "prompt_cursor_start": at["prompt_cursor"], "prompt_cursor": at["prompt_cursor"] + refill.prompts,
-        "cumulative_prompts": at["cumulative_prompts"] + refill.prompts,
-        "cumulative_responses": at["cumulative_responses"] + refill.responses,
+        "prompt_cursor_start": at.prompt_cursor, "prompt_cursor": at.prompt_cursor + refill.prompts,
+        "cumulative_prompts": at.cumulative_prompts + refill.prompts,
+        "cumulative_responses": at.cumulative_responses + refill.responses,
         "pool_mean_reward": sum(table["reward"]) / max(n, 1), "engine": engine.name,
         "generate_seconds": seconds["generate"], "grade_seconds": seconds["grade"],
-        "grading_retries": retries[0], "grading_timeouts": retries[1], **tasks.file_report(cfg.task)})
+        "grading_retries": retries[0], "grading_timeouts": retries[1], **catalog.file_report(cfg.task)})
 
 
-def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
-    raise ConfigError("an online round's pool is sampled by its cell's resident engine: run the cell "
-                      "(`ggpo stage online` or `ggpo run online`), which builds or replays every round")
 
 
-SPEC = StageSpec(name="online_pool", version=3,
+# version 2 (online_pool 4): the transformers sampler drops finished rows (#26); the same tokens,
+# but fp32 log-probs computed at another batch size may differ in their last bits
+SPEC = StageSpec(name="online_pool", version=4,
                  reads=("seed", "task", "rollout", "verify.timeout_s", "verify.retry_timeout_s",
                         "train.groups_per_update", "train.updates_per_step",
-                        "online.draw_prompts"), build=build)
+                        "online.draw_prompts"), build=build,
+                 context=Sampler, without_context="an online round's pool is sampled by its cell's resident engine: "
+                 "run the cell (`ggpo stage online` or `ggpo run online`), which builds or replays every round")

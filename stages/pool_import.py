@@ -2,19 +2,19 @@
 
 Reads `seed`, `task.prompt`, `rollout.group_size`, `rollout.max_new_tokens`, `verify`,
 `pool` (its split, map, trust_rewards and prompt; the source enters the key by content:
-the file's sha256, or the dataset id with its fingerprint, pipeline/pool_source.py);
+the file's sha256, or the dataset id with its fingerprint, pipeline/tasks/pool_source.py);
 input `base` (the policy's tokenizer). Writes `train_pool.parquet` (schema TRAIN_POOL, what
 the filter stage writes, so the train stage reads either) and `provenance.parquet` (schema
 POOL_PROVENANCE: each chosen response's source row and position, given and used reward,
 truncation, kept).
 
 Steps, each as the trainer and the verify stage would see the data:
-1. Groups: the source's groups (pipeline/pool_source.py validates it). A group with more
+1. Groups: the source's groups (pipeline/tasks/pool_source.py validates it). A group with more
    than m = rollout.group_size responses keeps m of them, chosen without replacement by
    the stream (seed, "pool_import/choose/<problem id>") and kept in source order; a group
    with fewer than m is dropped and counted.
 2. Tokens: the prompt is the task's template (`task.prompt`), or with `pool.prompt=chat`
-   the model's chat template exactly as evaluation builds it (pipeline/tasks.py
+   the model's chat template exactly as evaluation builds it (pipeline/tasks/catalog.py
    prompt_builder), tokenized as the rollout stage does; a response is its text's tokens
    plus the tokenizer's EOS (finish "stop"), as an engine records a sample that stopped.
    Given `behavior_logprobs` have one entry per token, EOS included; as many as the text's
@@ -34,7 +34,7 @@ Steps, each as the trainer and the verify stage would see the data:
 
 Without behavior log-probs the pool's `behavior_logprobs` are null and the summary says
 `behavior_logprobs: none`: GGPO, AGRO and GRPO with train.anchor=old train on it, the
-methods that need them are refused (stages/train), until `ggpo stage score` records some.
+methods that need them are refused (pipeline/training), until `ggpo stage score` records some.
 """
 from __future__ import annotations
 
@@ -46,15 +46,16 @@ from typing import cast
 import polars as pl
 import pyarrow as pa
 
-from pipeline import pool_source, progress, tasks
-from pipeline.config import PipelineConfig
-from pipeline.errors import PoolError
-from pipeline.grading import grade_many, summary as grading_summary
-from pipeline.hf import load_tokenizer
-from pipeline.schemas import POOL_PROVENANCE, TRAIN_POOL, write_parquet
-from pipeline.seeding import py_random
-from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store, canonical_json, model_path
+from pipeline.core.config import PipelineConfig
+from pipeline.core.errors import PoolError
+from pipeline.core.schemas import POOL_PROVENANCE, TRAIN_POOL, write_parquet
+from pipeline.core.seeding import py_random
+from pipeline.core.store import Manifest, Store, canonical_json, model_path
+from pipeline.dag.spec import Built, StageSpec, run_stage
+from pipeline.models.hf import load_tokenizer
+from pipeline.services import progress
+from pipeline.tasks import catalog, pool_source
+from pipeline.tasks.grading import grade_many, summary as grading_summary
 from stages.filter import keep_mixed
 
 log = logging.getLogger("ggpo")
@@ -160,7 +161,7 @@ def provenance(chosen: list[tuple], cols: dict, truncated: list[bool], kept: set
 def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:
     src = pool_source.load(cfg.pool)
     tok = load_tokenizer(model_path(inputs["base"]))
-    template, to_prompt = tasks.prompt_builder("chat" if cfg.pool.prompt == "chat" else cfg.task.prompt, tok)
+    template, to_prompt = catalog.prompt_builder("chat" if cfg.pool.prompt == "chat" else cfg.task.prompt, tok)
     chosen, counts = choose(src.groups, cfg.rollout.group_size, cfg.seed)
     cols, truncated = tokenize(chosen, tok, to_prompt, cfg, src.name)
     cols["reward"], cols["status"], reward_counts = rewards(cfg, chosen, cols["response_text"])

@@ -14,21 +14,22 @@ from pathlib import Path
 
 import torch
 
-from pipeline import progress, tasks
-from pipeline.config import PipelineConfig
-from pipeline.engines import SamplingParams, make_engine
-from pipeline.hf import load_model
-from pipeline.runtime import make_runtime
-from pipeline.schemas import PROMPTS, ROLLOUTS, write_parquet
-from pipeline.seeding import derive_seed, py_random
-from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store, model_path
-from stages.train.loop import policy_logprobs
-from stages.train.policy import make_batch
+from pipeline.core.config import PipelineConfig
+from pipeline.core.schemas import PROMPTS, ROLLOUTS, write_parquet
+from pipeline.core.seeding import derive_seed, py_random
+from pipeline.core.store import Manifest, Store, model_path
+from pipeline.dag.spec import Built, StageSpec, run_stage
+from pipeline.models.engines import SamplingParams, make_engine
+from pipeline.models.hf import load_model
+from pipeline.models.runtime import make_runtime
+from pipeline.services import progress
+from pipeline.tasks import catalog
+from pipeline.training.loop import policy_logprobs
+from pipeline.training.policy import make_batch
 
 
-def prompt_table(problems: list[tasks.Problem], tokenizer, style: str = "task") -> dict[str, list]:
-    texts = [tasks.format_prompt(p.problem, style) for p in problems]
+def prompt_table(problems: list[catalog.Problem], tokenizer, style: str = "task") -> dict[str, list]:
+    texts = [catalog.format_prompt(p.problem, style) for p in problems]
     return {
         "prompt_id": [p.id for p in problems], "group": list(range(len(problems))),
         "problem": [p.problem for p in problems], "answer": [p.answer for p in problems],
@@ -85,7 +86,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
     rc = cfg.rollout
     engine = make_engine(rc.engine, model_path(inputs["base"]), rc.batch_prompts, cfg.model.threads,
                          rollout_cfg=rc, device=cfg.train.device, seed=cfg.seed)
-    problems = tasks.splits(cfg.task)["train"]
+    problems = catalog.splits(cfg.task)["train"]
     prompts = prompt_table(problems, engine.tokenizer, cfg.task.prompt)
     params = SamplingParams(rc.group_size, rc.temperature, rc.top_p, rc.max_new_tokens,
                             derive_seed(cfg.seed, "rollout/sample"))
@@ -100,11 +101,13 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         files={"prompts": ("prompts.parquet", n_prompts), "rollouts": ("rollouts.parquet", n_rows)},
         summary={"prompts": n_prompts, "responses": n_rows, "group_size": rc.group_size,
                  "mean_response_length": sum(lengths) / len(lengths), "engine": engine.name,
-                 "logprobs_mode": engine.logprobs_mode, **mismatch, **tasks.file_report(cfg.task)},
+                 "logprobs_mode": engine.logprobs_mode, **mismatch, **catalog.file_report(cfg.task)},
     )
 
 
-SPEC = StageSpec(name="rollout", version=1, reads=("seed", "task", "rollout"), build=build)
+# version 2 (online_pool 4): the transformers sampler drops finished rows (#26); the same tokens,
+# but fp32 log-probs computed at another batch size may differ in their last bits
+SPEC = StageSpec(name="rollout", version=2, reads=("seed", "task", "rollout"), build=build)
 
 
 def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,

@@ -12,7 +12,7 @@ anyone reading the manifest can tell these from sampled log-probs: they are the 
 model's probabilities of text someone else sampled, which GRPO+TIS and behavior-anchored
 GRPO then treat as pi_beh.
 
-The log-probs are computed by the trainer's own code (stages.train.loop step_anchor: the
+The log-probs are computed by the trainer's own code (pipeline.training.loop step_anchor: the
 same micro-batches, runtime and LM head as a step start's lp_old), so scoring with the
 base model gives what the trainer computes for pi_0. The scoring model must tokenize as
 the pool's base model did (the vocabularies are compared).
@@ -25,15 +25,15 @@ from pathlib import Path
 import polars as pl
 import torch
 
-from pipeline.config import PipelineConfig
-from pipeline.errors import ConfigError
-from pipeline.hf import load_model, load_tokenizer
-from pipeline.runtime import make_runtime
-from pipeline.schemas import TRAIN_POOL, write_parquet
-from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store, canonical_json, sha256_cached
+from pipeline.core.config import PipelineConfig
+from pipeline.core.errors import ConfigError
+from pipeline.core.schemas import TRAIN_POOL, write_parquet
+from pipeline.core.store import Manifest, Store, canonical_json, sha256_cached
+from pipeline.dag.spec import Built, StageSpec, run_stage
+from pipeline.models.hf import load_model, load_tokenizer
+from pipeline.models.runtime import make_runtime
+from pipeline.training.loop import TrainContext, check_token_ids, load_pool, step_anchor
 from stages.pool_import import vocab_sha256
-from stages.train.loop import check_token_ids, load_pool, step_anchor
 
 
 def scored_by(cfg: PipelineConfig) -> str:
@@ -57,11 +57,11 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
         raise ConfigError(f"pool.score_model={cfg.pool.score_model}: its tokenizer is not the one the pool was "
                           "tokenized with (the base model's); score with a model of the same tokenizer")
     pool_path, m = source.path("train_pool"), cfg.rollout.group_size
-    pool = load_pool(pool_path, m, need_behavior=False)
+    pool = load_pool(pool_path, m)
     rt = make_runtime(cfg.train)
     model = rt.prepare(load_model(path)).eval()
     check_token_ids(pool, model.config.vocab_size, f"pool.score_model={cfg.pool.score_model}")
-    lp = step_anchor(model, pool, list(range(len(pool.group_ids))), cfg, tok.pad_token_id, rt)
+    lp = step_anchor(model, TrainContext(cfg, pool, rt, tok.pad_token_id), list(range(len(pool.group_ids))))
     rows = [lp[j][i, :len(r)].tolist() for j in range(len(pool.group_ids)) for i, r in enumerate(pool.responses[j])]
     df = pl.read_parquet(pool_path).sort(["group", "sample"]).with_columns(
         pl.Series("behavior_logprobs", rows, dtype=pl.List(pl.Float32)),

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import polars as pl
 
-from pipeline import progress
-from pipeline.config import PipelineConfig
-from pipeline.grading import grade_many, summary
-from pipeline.schemas import REWARDS, write_parquet
-from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import Manifest, Store
+from pipeline.core.config import PipelineConfig
+from pipeline.core.schemas import REWARDS, write_parquet
+from pipeline.core.store import Manifest, Store
+from pipeline.dag.spec import Built, StageSpec, run_stage
+from pipeline.services import progress
+from pipeline.tasks.grading import grade_many, summary
 
 
 def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Built:

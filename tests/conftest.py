@@ -41,7 +41,7 @@ def sigkill_after_checkpoint(argv: list[str], ckpt_dir: Path, first: int, stop: 
     import subprocess
     import time
 
-    from stages.train import checkpoint
+    from pipeline.training import checkpoint
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -69,15 +69,15 @@ def interrupt_offline_run(env: dict, seed: int, extra: list[str], deployment: bo
     import subprocess
     import time
 
-    from pipeline import dag
-    from pipeline.config import load_config
-    from pipeline.store import Store
-    from stages.train import checkpoint
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
+    from pipeline.dag import graph
+    from pipeline.training import checkpoint
     sets = INTERRUPT_SET + extra
     argv = [str(BIN / "ggpo"), "run", "offline", "--preset", "smoke"] + [a for x in sets for a in ("--set", x)]
     argv += ["--deployment"] if deployment else []
     cfg = load_config("smoke", sets + ["train.method=grpo"])
-    folder = Store().folder("train", dag.expected_key("train", cfg))
+    folder = Store().folder("train", graph.expected_key("train", cfg))
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 600       # a safety net for a hung run, not a verdict
     while time.monotonic() < deadline and proc.poll() is None:
@@ -135,23 +135,23 @@ def write_qwen3_layout(source: Path, folder: Path) -> Path:
 
 @pytest.fixture(autouse=True)
 def no_stop_request_left_behind():
-    """A stop request is process-wide (pipeline/interrupt.py): a test that signals and then
+    """A stop request is process-wide (pipeline/core/interrupt.py): a test that signals and then
     fails must not leave it set, or every later stage in this process stops at once."""
     yield
-    from pipeline import interrupt
+    from pipeline.core import interrupt
     interrupt.reset()
 
 @pytest.fixture(scope="session")
 def smoke_cfg():
-    from pipeline.config import load_config
+    from pipeline.core.config import load_config
     return load_config("smoke")
 
 
 @pytest.fixture(scope="session")
 def base_manifest(smoke_cfg):
     """The built-in tiny model (same key as the tiny preset's); built once per session."""
-    from stages import base
-    return base.run(smoke_cfg)
+    from stages import base_model
+    return base_model.run(smoke_cfg)
 
 
 @pytest.fixture(scope="session")
@@ -170,9 +170,9 @@ def logit_scale(base_manifest, pool):
     import polars as pl
     import torch
 
-    from pipeline.hf import load_model
-    from stages.base import model_path
-    from stages.train.policy import make_batch
+    from pipeline.models.hf import load_model
+    from pipeline.training.policy import make_batch
+    from stages.base_model import model_path
     model = load_model(model_path(base_manifest)).eval()
     rows = pl.read_parquet(pool[2].path("train_pool"), columns=["prompt_token_ids", "response_token_ids"])
     batch = make_batch(rows["prompt_token_ids"].to_list(), rows["response_token_ids"].to_list(), 0)
@@ -183,7 +183,7 @@ def logit_scale(base_manifest, pool):
 
 @pytest.fixture
 def store(tmp_path):
-    from pipeline.store import Store
+    from pipeline.core.store import Store
     return Store(tmp_path / "cache")
 
 

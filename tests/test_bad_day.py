@@ -23,11 +23,11 @@ SETS = ["experiment.seeds=[11]", "experiment.methods=[grpo]", f"train.updates={U
 
 
 def test_mlflow_server_dying_mid_training_costs_one_warning(shell):
-    from pipeline import dag
-    from pipeline.config import load_config
-    from pipeline.store import Store
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
+    from pipeline.dag import graph
     cfg = load_config("smoke", SETS + ["train.method=grpo", "seed=11"])
-    ckpt = Store().folder("train", dag.expected_key("train", cfg)) / "checkpoints"
+    ckpt = Store().folder("train", graph.expected_key("train", cfg)) / "checkpoints"
     argv = [str(BIN / "ggpo"), "run", "offline", "--preset", "smoke"] + [a for s in SETS for a in ("--set", s)]
     proc = subprocess.Popen(argv, cwd=REPO, env=shell, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 900           # a safety net for a hung run, not a verdict

@@ -33,12 +33,12 @@ def newest_file(*folders: Path) -> float:
 
 @pytest.mark.servers
 def test_prefect_server_dying_mid_training_costs_one_warning(shell):
-    from pipeline import dag
-    from pipeline.config import load_config
-    from pipeline.store import Store
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
+    from pipeline.dag import graph
     cfg = load_config("smoke", SETS + ["train.method=grpo", "seed=12"])
     store = Store()
-    ckpt = store.folder("train", dag.expected_key("train", cfg)) / "checkpoints"
+    ckpt = store.folder("train", graph.expected_key("train", cfg)) / "checkpoints"
     argv = GGPO + ["run", "offline", "--preset", "smoke"] + [a for s in SETS for a in ("--set", s)]
     proc = subprocess.Popen(argv, cwd=REPO, env=shell, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 900           # a safety net for a hung run, not a verdict
@@ -90,38 +90,38 @@ def test_a_gone_serve_process_is_named_with_the_way_back(shell):
 
 
 def test_not_healthy_names_what_is_gone():
-    from pipeline import services
+    from pipeline.services import servers
     report = {"services": {"prefect": {"pid": 1, "alive": True, "healthy": True},
                            "serve": {"pid": 4242, "alive": False, "healthy": False}}}
-    line = services.not_healthy(report)
+    line = servers.not_healthy(report)
     assert "\n" not in line and "pid 4242" in line and "is gone" in line and "`ggpo up` restarts it" in line
-    assert services.not_healthy({"services": {"prefect": {"pid": 1, "alive": True, "healthy": True}}}) == ""
+    assert servers.not_healthy({"services": {"prefect": {"pid": 1, "alive": True, "healthy": True}}}) == ""
 
 
 def test_the_end_of_a_run_is_kept_for_ggpo_ups_server_only(tmp_path, monkeypatch):
     import httpx
     from prefect.states import Completed
 
-    from pipeline import orchestration
+    from pipeline.services import prefect_client
     monkeypatch.setenv("GGPO_HOME", str(tmp_path))
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:1/api")
-    assert orchestration.connection_error(httpx.ConnectError("refused"))
-    assert not orchestration.connection_error(RuntimeError("a refused call"))
-    orchestration.record("r1", Completed())     # a temporary server (no services.json): nothing to report later
-    assert not orchestration.unreported_dir().exists()
+    assert prefect_client.connection_error(httpx.ConnectError("refused"))
+    assert not prefect_client.connection_error(RuntimeError("a refused call"))
+    prefect_client.record("r1", Completed())     # a temporary server (no services.json): nothing to report later
+    assert not prefect_client.unreported_dir().exists()
     (tmp_path / "services.json").write_text(json.dumps({"urls": {"prefect_api": "http://127.0.0.1:1/api"}}))
-    orchestration.record("r1", Completed(message="done"))
-    entry = json.loads((orchestration.unreported_dir() / "r1.json").read_text())
+    prefect_client.record("r1", Completed(message="done"))
+    entry = json.loads((prefect_client.unreported_dir() / "r1.json").read_text())
     assert (entry["type"], entry["name"], entry["message"]) == ("COMPLETED", "Completed", "done")
-    assert orchestration.report_unreported() == []      # its server is not up: kept for the next time
-    assert (orchestration.unreported_dir() / "r1.json").exists()
+    assert prefect_client.report_unreported() == []      # its server is not up: kept for the next time
+    assert (prefect_client.unreported_dir() / "r1.json").exists()
 
 
 def test_watching_a_deployment_run_ends_in_one_line_when_its_server_or_serve_process_goes(monkeypatch):
     import httpx
 
     from pipeline import cli
-    from pipeline.errors import ServiceError
+    from pipeline.core.errors import ServiceError
 
     class Gone:
         def read_flow_run(self, run_id):

@@ -4,10 +4,10 @@ import re
 import polars as pl
 import pytest
 
-from pipeline.benchmarks import KNOWN, load
-from pipeline.errors import BenchmarkError
-from pipeline.grading import grade_many
-from pipeline.store import sha256_file
+from pipeline.core.errors import BenchmarkError
+from pipeline.core.store import sha256_file
+from pipeline.tasks.benchmarks import KNOWN, load
+from pipeline.tasks.grading import grade_many
 
 from conftest import REPO
 
@@ -68,8 +68,8 @@ def test_missing_column_and_repeated_id(tmp_path):
 
 
 def test_evaluate_stage_on_benchmarks_writes_report_and_caches(tmp_path, base_manifest):
-    from pipeline.config import load_config
-    from pipeline.store import Store
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
     from stages import evaluate
     names = ["math500", "aime24", "aime25", "olympiadbench", "minerva_math"]
     cfg = load_config("smoke", {"eval.benchmarks": names, "eval.data_dir": str(DATA), "eval.limit": 2,
@@ -90,7 +90,7 @@ def test_evaluate_stage_on_benchmarks_writes_report_and_caches(tmp_path, base_ma
 def test_hub_path_through_datasets_library(monkeypatch):
     """The `datasets` code path, offline: the parquet builder on the local file stands in
     for a hub id (load_dataset takes both the same way)."""
-    from pipeline import benchmarks
+    from pipeline.tasks import benchmarks
     monkeypatch.setitem(benchmarks.HUB, "math500", {"path": "parquet", "data_files": str(DATA / "math500.parquet"),
                                                     "split": "train", "id": "id"})
     via_hub = load("math500", "hub")

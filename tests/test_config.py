@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.config import ConfigError, load_config, parse_value, preset_names
+from pipeline.core.config import ConfigError, load_config, parse_value, preset_names
 
 
 def test_presets_load_and_tiny_uses_digit_sort():
@@ -11,14 +11,14 @@ def test_presets_load_and_tiny_uses_digit_sort():
 
 
 def test_tiny_regime_is_the_online_loop_on_countdown_with_refresh_for_every_method():
-    from pipeline import grid
+    from pipeline.core import grid
     cfg = load_config("tiny-regime")
     assert cfg.experiment.flow == "online" and cfg.task.name == "countdown" and cfg.train.updates == 128
     cells = grid.cells(cfg)
     assert [c.method for c in cells] == ["grpo", "grpo_tis", "agro", "ggpo"]
     assert {c.config.train.refresh_every() for c in cells} == {10}
     # the staleness ladder of its header passes the online geometry checks (N = 64 included)
-    from pipeline.preflight import check_run
+    from pipeline.dag.preflight import check_run
     _, ladder = check_run("online", "tiny-regime", {"experiment.grid": {"train.updates_per_step": [1, 4, 16, 64]}})
     assert sorted({c.config.train.updates_per_step for c in ladder}) == [1, 4, 16, 64] and len(ladder) == 16
 
@@ -58,8 +58,8 @@ def test_slice_dotted_fields():
 def test_seed_on_a_flow_sets_its_seeds_or_is_refused():
     """`--set seed=7` on a flow trains seed 7 (not the preset's seeds); with a different
     experiment.seeds it is one clear error."""
-    from pipeline.config import ConfigError
-    from pipeline.preflight import check_run
+    from pipeline.core.config import ConfigError
+    from pipeline.dag.preflight import check_run
     cfg, cells = check_run("offline", "smoke", ["seed=7"])
     assert cfg.experiment.seeds == [7] and {c.seed for c in cells} == {7}
     assert {c.config.seed for c in cells} == {7}

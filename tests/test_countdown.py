@@ -1,4 +1,4 @@
-"""The countdown task (pipeline/countdown.py): problems with many right answers, and its
+"""The countdown task (pipeline/tasks/countdown.py): problems with many right answers, and its
 verifier on hostile inputs: every case gets its status within a bounded CPU time, through
 the same timed grade() and worker pool as math-verify, never a crash."""
 import random
@@ -6,9 +6,9 @@ import statistics
 
 import pytest
 
-from pipeline import countdown, tasks
-from pipeline.config import TaskConfig
-from pipeline.grading import grade, grade_many
+from pipeline.core.config import TaskConfig
+from pipeline.tasks import catalog, countdown
+from pipeline.tasks.grading import grade, grade_many
 
 REF = "countdown:3 5 7=22"
 BOUND_S = 0.1           # CPU seconds: any of these costs well under a millisecond to a few ms
@@ -109,16 +109,16 @@ def test_problems_have_many_correct_answers(difficulty, numbers, least_mean):
 
 def test_task_splits_and_warm_up_targets():
     cfg = TaskConfig(name="countdown", n_train=200, n_eval=50)
-    s = tasks.splits(cfg)
-    assert s == tasks.splits(cfg) and len(s["train"]) == 200 and len(s["eval"]) == 50
+    s = catalog.splits(cfg)
+    assert s == catalog.splits(cfg) and len(s["train"]) == 200 and len(s["eval"]) == 50
     assert all(p.answer.startswith(countdown.PREFIX) for p in s["train"] + s["eval"])
-    assert tasks.format_prompt(s["train"][0].problem).startswith("Q:") and ">" in s["train"][0].problem
-    stream = tasks.sft_stream(cfg, {p.problem for p in s["eval"]})
+    assert catalog.format_prompt(s["train"][0].problem).startswith("Q:") and ">" in s["train"][0].problem
+    stream = catalog.sft_stream(cfg, {p.problem for p in s["eval"]})
     pairs = [next(stream) for _ in range(200)]
     # each warm-up target is a correct response of its own problem
     for problem, boxed in pairs:
         given, target = problem.split(">")
-        assert countdown.grade(tasks.format_target(boxed), f"{countdown.PREFIX}{given}={target}") == (1.0, "ok")
+        assert countdown.grade(catalog.format_target(boxed), f"{countdown.PREFIX}{given}={target}") == (1.0, "ok")
     # and a random one: its numbers come in the problem's order about 1 time in 6, not always
     in_order = sum("".join(c for c in boxed if c.isdigit()) == problem.split(">")[0].replace(" ", "")
                    for problem, boxed in pairs)
@@ -127,7 +127,7 @@ def test_task_splits_and_warm_up_targets():
 
 def test_base_group_statistics():
     """mean@m, the share of mixed groups and distinct correct responses per group with a success."""
-    from stages.base import group_stats
+    from stages.base_model import group_stats
     groups = [[(r"\boxed{3*5+7}", 1.0), (r"\boxed{7+5*3}", 1.0), (r"\boxed{3*5+7}", 1.0), ("x", 0.0)],
               [("x", 0.0)] * 4,
               [(r"\boxed{1}", 1.0)] * 4]
@@ -141,10 +141,10 @@ def test_base_group_statistics():
 def test_a_malformed_countdown_reference_in_a_task_file_names_the_row(tmp_path, answer):
     import polars as pl
 
-    from pipeline import tasks
-    from pipeline.errors import DatasetError
+    from pipeline.core.errors import DatasetError
+    from pipeline.tasks import catalog
     path = tmp_path / "t.parquet"
     pl.DataFrame({"id": ["a", "b"], "problem": ["Q:3 5 7>22\nA:", "Q:1 2>3\nA:"],
                   "answer": ["countdown:3 5 7=22", answer]}).write_parquet(path)
     with pytest.raises(DatasetError, match=r"t\.parquet: row 1 \(id b\), field 'answer': .* is not a countdown reference"):
-        tasks.load_file(path)
+        catalog.load_file(path)

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.errors import DiskFull
+from pipeline.core.errors import DiskFull
 
 MiB = 1 << 20
 
@@ -126,7 +126,7 @@ def leftovers(folder: Path) -> list[str]:
 
 
 def test_manifest_write_keeps_the_previous_file(disk):
-    from pipeline.store import write_text_atomic
+    from pipeline.core.store import write_text_atomic
     path = disk.root / "manifest.json"
     write_text_atomic(path, "v1")
     disk.fill(256 * 1024)
@@ -141,7 +141,7 @@ def test_manifest_write_keeps_the_previous_file(disk):
 
 
 def test_training_checkpoint_keeps_the_previous_one(disk):
-    from stages.train import checkpoint
+    from pipeline.training import checkpoint
     folder = disk.root / "checkpoints"
     checkpoint.write_plain(folder, {"update": 1, "w": torch.zeros(1000)})
     disk.fill(512 * 1024)
@@ -163,15 +163,15 @@ def test_training_on_a_disk_that_fills_resumes_bit_exact(disk, tmp_path, base_ma
     import polars as pl
     from safetensors.torch import load_file
 
-    from pipeline import dag
-    from pipeline.config import load_config
-    from pipeline.store import MANIFEST, Store
+    from pipeline.core.config import load_config
+    from pipeline.core.store import MANIFEST, Store
+    from pipeline.dag import graph
+    from pipeline.training import checkpoint
     from stages import train
-    from stages.train import checkpoint
     cfg = load_config("smoke", ["train.updates=12", "train.checkpoint_every=2", "train.method=grpo_tis",
                                 "train.updates_per_step=3"])
     inputs, store = {"base": base_manifest, "pool": pool[2]}, Store(disk.root / "cache")
-    folder = store.folder("train", dag.expected_key("train", cfg))
+    folder = store.folder("train", graph.expected_key("train", cfg))
     save = checkpoint.save
 
     def save_then_fill(folder, **kwargs):
@@ -198,9 +198,9 @@ def test_training_on_a_disk_that_fills_resumes_bit_exact(disk, tmp_path, base_ma
 def test_policy_folder_keeps_the_previous_one(disk, base_manifest):
     """A trained policy's HF folder (final weights, snapshots): written whole under a temp
     name or not at all."""
-    from pipeline.hf import load_model, load_tokenizer
-    from stages.base import model_path
-    from stages.train import loop
+    from pipeline.models.hf import load_model, load_tokenizer
+    from pipeline.training import loop
+    from stages.base_model import model_path
     model, tokenizer = load_model(model_path(base_manifest)), load_tokenizer(model_path(base_manifest))
     final = disk.root / "snapshots" / "update-4"
     loop.save_policy(model, tokenizer, final)
@@ -214,8 +214,8 @@ def test_policy_folder_keeps_the_previous_one(disk, base_manifest):
 
 def _toy_stage():
     """A resumable stage: three checkpointed steps, then a 4 MiB output file."""
-    from pipeline.stage import Built, StageSpec
-    from stages.train import checkpoint
+    from pipeline.dag.spec import Built, StageSpec
+    from pipeline.training import checkpoint
 
     def build(config, inputs, folder: Path) -> Built:
         state = checkpoint.load(folder / "checkpoints")
@@ -230,10 +230,10 @@ def _toy_stage():
 
 
 def test_stage_build_leaves_no_half_artifact_and_resumes(disk):
-    from pipeline.config import load_config
-    from pipeline.stage import key_for, run_stage
-    from pipeline.store import Store
-    from stages.train import checkpoint
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
+    from pipeline.dag.spec import key_for, run_stage
+    from pipeline.training import checkpoint
     spec, cfg, store = _toy_stage(), load_config("tiny"), Store(disk.root / "cache")
     folder = store.folder("toy", key_for(spec, cfg, {}))
     disk.fill(MiB)
@@ -251,9 +251,9 @@ def test_stage_build_leaves_no_half_artifact_and_resumes(disk):
 
 def test_manifest_commit_on_a_full_disk_publishes_nothing(disk, monkeypatch):
     """The build's files fit, the manifest does not: no manifest, so no later run reads it."""
-    from pipeline.config import load_config
-    from pipeline.stage import key_for, run_stage
-    from pipeline.store import Store
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
+    from pipeline.dag.spec import key_for, run_stage
     spec, cfg, store = _toy_stage(), load_config("tiny"), Store(disk.root / "cache")
     real_commit = Store.commit
 
@@ -297,7 +297,7 @@ def test_report_files_are_whole_or_the_previous_ones(disk):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from pipeline.store import write_file_atomic, write_text_atomic
+    from pipeline.core.store import write_file_atomic, write_text_atomic
     md, png = disk.root / "report.md", disk.root / "curves.png"
     fig = plt.figure(figsize=(30, 30))
     fig.gca().imshow(torch.rand(600, 600).numpy())      # noise: a PNG that does not compress
@@ -319,8 +319,8 @@ def test_native_writers_on_a_really_full_disk(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipeline.schemas import write_parquet
-    from pipeline.store import write_file_atomic
+    from pipeline.core.schemas import write_parquet
+    from pipeline.core.store import write_file_atomic
     disk = RealDisk(tmp_path / "fs")
     try:
         csv, parquet = disk.root / "report.csv", disk.root / "pool.parquet"
@@ -340,7 +340,7 @@ def test_native_writers_on_a_really_full_disk(tmp_path):
 
 
 def test_mlflow_artifact_on_a_full_disk_is_one_line(disk, tmp_path):
-    from pipeline import tracking
+    from pipeline.services import tracking
     client = tracking.Resilient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.create_run(client.create_experiment("disk", artifact_location=str(disk.root / "artifacts")))
     big = tmp_path / "table.csv"        # the source is on a roomy disk; the artifact store is full
@@ -365,9 +365,9 @@ def test_a_stage_on_a_really_full_disk_is_one_cli_line(tmp_path, monkeypatch, ca
     tmpfs that fills right after the preflight's space check passed (another process
     filled it): exit 2 and one line naming the build folder; no manifest; after space is
     freed the same command builds it."""
-    from pipeline import preflight
     from pipeline.cli import main
-    from pipeline.store import Store
+    from pipeline.core.store import Store
+    from pipeline.dag import preflight
     disk = RealDisk(tmp_path / "fs")
     check_disk = preflight.check_disk
 
@@ -399,9 +399,9 @@ def test_online_cell_on_a_disk_that_fills_resumes_equal(disk, tmp_path, base_man
     space freed, the same call resumes and ends with the policy of an undisturbed cell."""
     from safetensors.torch import load_file
 
-    from pipeline import dag
-    from pipeline.config import load_config
-    from pipeline.store import Store
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
+    from pipeline.dag import graph
     from stages import online_cell
     cfg = load_config("smoke-online", {"train.updates_per_step": 2, "train.method": "grpo_tis",
                                        "train.eval_every": None, "train.updates": 8, "online.checkpoint_every": 1})
@@ -425,7 +425,7 @@ def test_online_cell_on_a_disk_that_fills_resumes_equal(disk, tmp_path, base_man
     assert not [p for p in (folder / "checkpoints").iterdir() if p.name.endswith(".tmp")]
     disk.free()
     online_cell.run_cell(cfg, store, base_manifest)
-    key = dag.expected_key("online_policy", cfg)
+    key = graph.expected_key("online_policy", cfg)
     a, b = (load_file(s.load("online_policy", key).path("weights")) for s in (straight, store))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -434,13 +434,13 @@ def test_a_remote_artifact_mirrored_onto_a_full_disk(disk, tmp_path, monkeypatch
     """A shared store (`file://` URL) read on a machine whose mirror disk is full: one line
     naming the mirror folder and the artifact's size (not "cannot reach the store"), no
     half mirror read; space freed, the same load mirrors it."""
-    from pipeline.store import Store
+    from pipeline.core.store import Store
     url = (tmp_path / "shared").as_uri()
     monkeypatch.setenv("GGPO_STAGING", str(tmp_path / "writer"))
     writer = Store(url)
     folder = writer.begin("toy", "a" * 64)
     (folder / "out.bin").write_bytes(os.urandom(2 * MiB))
-    from pipeline.store import Manifest, file_entry, now_iso
+    from pipeline.core.store import Manifest, file_entry, now_iso
     writer.commit(Manifest(stage="toy", key="a" * 64, version=1, folder=str(folder), config={}, inputs={},
                            files={"out": file_entry(folder, "out.bin")}, created_at=now_iso(), seconds=0.0))
     monkeypatch.setenv("GGPO_STAGING", str(disk.root / "reader"))

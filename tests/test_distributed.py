@@ -1,4 +1,4 @@
-"""Data-parallel training (stages/train/distributed.py): two gloo ranks under torchrun
+"""Data-parallel training (pipeline/training/distributed.py): two gloo ranks under torchrun
 against one process on the tiny model, a rank killed mid-run, and bad placement settings.
 
 The config exercises every distributed path: GRPO+TIS (the step anchor lp_old is computed
@@ -15,13 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import dag
-from pipeline.config import ConfigError, load_config
-from pipeline.errors import TrainingError
-from pipeline.preflight import preflight
-from pipeline.store import MANIFEST, Store
+from pipeline.core.config import ConfigError, load_config
+from pipeline.core.errors import TrainingError
+from pipeline.core.store import MANIFEST, Store
+from pipeline.dag import graph
+from pipeline.dag.preflight import preflight
+from pipeline.training import checkpoint, distributed
 from stages import train
-from stages.train import checkpoint, distributed
 
 from tolerance import assert_same_training
 
@@ -63,14 +63,14 @@ def test_killed_rank_fails_without_manifest_then_resumes(tmp_path, monkeypatch, 
     The same checkpoint also resumes in one process (DCP reshards)."""
     inputs, store = {"base": base_manifest, "pool": pool[2]}, Store(tmp_path / "a")
     cfg = load_config("smoke", CFG + ["train.nproc=2"])
-    folder = store.folder("train", dag.expected_key("train", cfg))
+    folder = store.folder("train", graph.expected_key("train", cfg))
     monkeypatch.setenv(distributed.KILL_ENV, "1:2")
     with pytest.raises(TrainingError, match=r"torchrun \(2 x 1 ranks\) exited 1") as err:
         train.run(cfg, inputs, store=store)
     assert "\n" not in str(err.value)
     assert not (folder / MANIFEST).exists()
     assert checkpoint.load(folder / "checkpoints")["update"] == 2
-    other = Store(tmp_path / "b").folder("train", dag.expected_key("train", cfg))
+    other = Store(tmp_path / "b").folder("train", graph.expected_key("train", cfg))
     shutil.copytree(folder / "checkpoints", other / "checkpoints")
     monkeypatch.delenv(distributed.KILL_ENV)
     resumed = train.run(cfg, inputs, store=store)
@@ -94,14 +94,14 @@ def test_bad_placement_fails_before_work(overrides, message):
 def test_nproc_leaves_keys_alone():
     a, b = load_config("smoke"), load_config("smoke", ["train.nproc=4", "train.nnodes=2",
                                                        "train.rdzv_endpoint=node0:29500"])
-    assert dag.expected_key("train", a) == dag.expected_key("train", b)
+    assert graph.expected_key("train", a) == graph.expected_key("train", b)
 
 
 RANK_SCRIPT = '''
 import json, sys, types
 import torch
 from safetensors.torch import save_file
-from pipeline.hf import load_model
+from pipeline.models.hf import load_model
 from stages.online_cell import learner_weights
 from stages.train import distributed
 d = distributed.init("cpu")
@@ -124,8 +124,8 @@ def test_only_rank_0_keeps_the_gathered_weights_of_a_sync(tmp_path, base_manifes
     import subprocess
     import sys
 
-    from pipeline.hf import load_model
-    from stages.base import model_path
+    from pipeline.models.hf import load_model
+    from stages.base_model import model_path
 
     from conftest import REPO, free_port
     (tmp_path / "rank.py").write_text(RANK_SCRIPT)

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from pipeline.engines import SamplingParams
-from pipeline.engines.hf import TransformersEngine
-from stages.base import model_path
-from stages.train.policy import make_batch, token_logprobs
+from pipeline.models.engines import SamplingParams
+from pipeline.models.engines.hf import TransformersEngine
+from pipeline.training.policy import make_batch, token_logprobs
+from stages.base_model import model_path
 
 from tolerance import assert_close
 
@@ -45,7 +45,7 @@ def test_stop_ids_include_the_generation_config_eos_list(base_manifest, tmp_path
     import json
     import shutil
 
-    from pipeline.engines import stop_token_ids
+    from pipeline.models.engines import stop_token_ids
     folder = tmp_path / "model"
     shutil.copytree(model_path(base_manifest), folder)
     engine = TransformersEngine(str(folder))
@@ -93,3 +93,22 @@ def test_generation_computes_logits_only_at_the_last_position(base_manifest):
     assert width > 1 and len(shapes) >= 2
     assert all(s[:2] == (2 * len(PROMPTS), 1) for s in shapes), shapes
     assert all(len(c.token_ids) == len(c.logprobs) > 0 for g in outs for c in g)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_finished_rows_leaving_the_batch_change_no_draw(base_manifest, monkeypatch, dtype):
+    """Rows leave the batch once they stop (engines/hf._worth_shrinking); each row draws the
+    tokens it draws when every row stays to the end (the pre-#26 loop): the noise is drawn for
+    every original row. The log-probs are the same computation at another batch size, which
+    CPU kernels may round differently: a few ulps of the weights' dtype on logits of size ~10."""
+    from pipeline.models.engines import hf
+    engine = TransformersEngine(model_path(base_manifest), batch_prompts=4, dtype=dtype)
+    params = SamplingParams(8, 1.0, 1.0, 20, seed=11)
+    shrinking = engine.generate(PROMPTS, params)
+    monkeypatch.setattr(hf, "_worth_shrinking", lambda done: False)
+    kept = engine.generate(PROMPTS, params)
+    pairs = [(a, b) for ga, gb in zip(shrinking, kept) for a, b in zip(ga, gb)]
+    assert all(a.token_ids == b.token_ids and a.finish_reason == b.finish_reason for a, b in pairs)
+    assert len({len(b.token_ids) for _, b in pairs}) > 1      # rows did finish at different steps
+    tol = 4 * 10 * torch.finfo(hf.weights_dtype(dtype, engine.device)).eps
+    assert max(abs(x - y) for a, b in pairs for x, y in zip(a.logprobs, b.logprobs)) <= tol

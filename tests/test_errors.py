@@ -8,9 +8,11 @@ import os
 
 import pytest
 
-from pipeline import benchmarks, dag, errors as project_errors, tasks
 from pipeline.cli import main
-from pipeline.config import load_config
+from pipeline.core import errors as project_errors
+from pipeline.core.config import load_config
+from pipeline.dag import graph
+from pipeline.tasks import benchmarks, catalog
 
 
 def write_jsonl(path, rows: list, bad_line: int | None = None):
@@ -29,19 +31,19 @@ def errors(capsys) -> tuple[list[str], str]:
 def test_malformed_jsonl_line_is_reported_with_its_number(tmp_path):
     rows = [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(5)]
     path = write_jsonl(tmp_path / "prompts.jsonl", rows, bad_line=4)
-    with pytest.raises(tasks.DatasetError, match=r"prompts\.jsonl: line 4 is not valid JSON"):
-        tasks.load_file(path)
+    with pytest.raises(catalog.DatasetError, match=r"prompts\.jsonl: line 4 is not valid JSON"):
+        catalog.load_file(path)
     write_jsonl(tmp_path / "aime24.jsonl", [dict(r, id=str(i)) for i, r in enumerate(rows)], bad_line=2)
     with pytest.raises(benchmarks.BenchmarkError, match=r"aime24\.jsonl: line 2 is not valid JSON"):
         benchmarks.load("aime24", tmp_path)
     (tmp_path / "list.jsonl").write_text('{"problem": "1", "answer": "1"}\n[1, 2]\n')
-    with pytest.raises(tasks.DatasetError, match=r"list\.jsonl: line 2 is a JSON list"):
-        tasks.load_file(tmp_path / "list.jsonl")
+    with pytest.raises(catalog.DatasetError, match=r"list\.jsonl: line 2 is a JSON list"):
+        catalog.load_file(tmp_path / "list.jsonl")
 
 
 def test_jsonl_with_mixed_answer_types_loads(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"problem": "a", "answer": 3}, {"problem": "b", "answer": "x"}])
-    assert [p.answer for p in tasks.load_file(path)] == ["3", "x"]
+    assert [p.answer for p in catalog.load_file(path)] == ["3", "x"]
 
 
 def test_task_file_without_answer_is_one_line_at_the_cli(tmp_path, capsys):
@@ -51,7 +53,7 @@ def test_task_file_without_answer_is_one_line_at_the_cli(tmp_path, capsys):
     lines, err = errors(capsys)
     assert len(lines) == 1 and "Traceback" not in err
     assert f"{path}: missing required column 'answer'" in lines[0] and "--set task.name=" in lines[0]
-    with pytest.raises(tasks.DatasetError):          # --debug: the exception and its traceback
+    with pytest.raises(catalog.DatasetError):          # --debug: the exception and its traceback
         main(["--debug", "stage", "rollout", "--preset", "smoke", "--set", f"task.name={tmp_path}/none.jsonl"])
 
 
@@ -73,26 +75,26 @@ def test_editing_a_benchmark_file_changes_the_evaluate_key(tmp_path):
     rows = [{"id": str(i), "problem": f"{i}+1", "answer": str(i + 1)} for i in range(3)]
     path = write_jsonl(tmp_path / "aime24.jsonl", rows)
     cfg = load_config("smoke", {"eval.benchmarks": ["aime24"], "eval.data_dir": str(tmp_path)})
-    before = dag.expected_key("evaluate", cfg)
-    assert dag.expected_key("evaluate", cfg) == before
-    train_key = dag.expected_key("train", cfg)
+    before = graph.expected_key("evaluate", cfg)
+    assert graph.expected_key("evaluate", cfg) == before
+    train_key = graph.expected_key("train", cfg)
     rows[1]["answer"] = "7"                                   # same size, other content
     write_jsonl(path, rows)
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
-    assert dag.expected_key("evaluate", cfg) != before
-    assert dag.expected_key("train", cfg) == train_key        # only what reads the file changes
+    assert graph.expected_key("evaluate", cfg) != before
+    assert graph.expected_key("train", cfg) == train_key        # only what reads the file changes
 
 
 def test_editing_a_task_file_changes_the_keys_of_its_readers(tmp_path):
     rows = [{"problem": f"{i}+1", "answer": str(i + 1)} for i in range(20)]
     path = write_jsonl(tmp_path / "prompts.jsonl", rows)
     cfg = load_config("smoke", {"task.name": str(path)})
-    before = {s: dag.expected_key(s, cfg) for s in ("base", "rollout", "evaluate")}
+    before = {s: graph.expected_key(s, cfg) for s in ("base", "rollout", "evaluate")}
     write_jsonl(path, rows + [{"problem": "x", "answer": "1"}])
-    after = {s: dag.expected_key(s, cfg) for s in ("base", "rollout", "evaluate")}
+    after = {s: graph.expected_key(s, cfg) for s in ("base", "rollout", "evaluate")}
     assert all(after[s] != before[s] for s in before)
     builtin = load_config("smoke")
-    assert dag.expected_key("rollout", builtin) == dag.expected_key("rollout", load_config("smoke"))
+    assert graph.expected_key("rollout", builtin) == graph.expected_key("rollout", load_config("smoke"))
 
 
 @pytest.mark.parametrize("bad, says", [
@@ -120,7 +122,7 @@ def test_bad_input_to_a_flow_is_one_line_before_anything_starts(tmp_path, bad, s
 
 
 def test_every_error_the_project_raises_lives_in_errors_and_is_expected():
-    """Every exception class defined in pipeline/, stages/ or flows/ is pipeline.errors' (an
+    """Every exception class defined in pipeline/, stages/ or flows/ is pipeline.core.errors' (an
     ExpectedError, except the countdown parser's internal verdict), so the CLI can map them
     by type; the modules that raise them only import them."""
     import ast
@@ -135,9 +137,9 @@ def test_every_error_the_project_raises_lives_in_errors_and_is_expected():
                     for b in node.bases):
                 defined.append(f"{path.relative_to(repo)}:{node.name}")
     # the grader's own timer, caught where it is raised; the signal raised inside Prefect's
-    # events client once its server is gone (pipeline/orchestration.py), never seen by a user
-    private = {"pipeline/grading.py:_Timeout", "pipeline/orchestration.py:ServerGone"}
-    assert {d for d in defined if not d.startswith("pipeline/errors.py")} == private
+    # events client once its server is gone (pipeline/services/prefect_client.py), never seen by a user
+    private = {"pipeline/tasks/grading.py:_Timeout", "pipeline/services/prefect_client.py:ServerGone"}
+    assert {d for d in defined if not d.startswith("pipeline/core/errors.py")} == private
     for name in dir(project_errors):
         cls = getattr(project_errors, name)
         if isinstance(cls, type) and issubclass(cls, Exception) and cls is not project_errors.ParseError:

@@ -1,4 +1,4 @@
-"""The sampler's share of a GPU beside an online cell's learner (pipeline/gpu_memory.py), at
+"""The sampler's share of a GPU beside an online cell's learner (pipeline/models/gpu_memory.py), at
 the paper's scale: Qwen3-1.7B (28 layers, hidden 2,048, 16 / 8 heads of 128, MLP 6,144,
 vocabulary 151,936, tied) trained at the qwen3-1.7b preset's geometry, on one H200 and on
 8 (FSDP). Pure arithmetic on the meta device: nothing is allocated."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import load_config
-from pipeline.gpu_memory import (
+from pipeline.core.config import load_config
+from pipeline.models.gpu_memory import (
     RESERVE_BYTES,
     RESERVE_SHARE,
     GiB,
@@ -96,7 +96,7 @@ def test_an_online_cells_vllm_sampler_starts_with_the_planned_share(monkeypatch)
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from pipeline import runtime
+    from pipeline.models import runtime
     from stages import online_cell
 
     class Built(Exception):

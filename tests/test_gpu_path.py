@@ -9,15 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.config import ConfigError, load_config
-from pipeline.errors import TrainingError
-from pipeline.preflight import preflight
-from pipeline.runtime import make_runtime
-from pipeline.store import Store
+from pipeline.core.config import ConfigError, load_config
+from pipeline.core.errors import TrainingError
+from pipeline.core.store import Store
+from pipeline.dag.preflight import preflight
+from pipeline.models.runtime import make_runtime
+from pipeline.training import loop
+from pipeline.training.losses import LossInputs, get_loss
+from pipeline.training.packing import pack_groups, split_by_count
 from stages import train
-from stages.train import loop
-from stages.train.losses import LossInputs, get_loss
-from stages.train.packing import pack_groups, split_by_count
 
 from tolerance import assert_same_training, rounding_tol
 
@@ -170,7 +170,7 @@ def test_vllm_without_vllm_is_one_clear_error():
 
 
 def test_model_folder_checks(tmp_path, base_manifest):
-    from stages.base import model_path
+    from stages.base_model import model_path
     src = model_path(base_manifest)
     no_tok = tmp_path / "no_tokenizer"
     no_tok.mkdir()
@@ -230,11 +230,11 @@ def test_top_p_below_one_is_refused_where_behavior_logprobs_matter():
 
 
 def test_paper_preset_rollout_runs_on_cpu_past_its_training_file(base_manifest):
-    """The qwen3-1.7b preset from the shipped data (no ../shared), with the tiny model and CPU
+    """The qwen3-1.7b preset from the shipped data (nothing outside the project), with the tiny model and CPU
     settings: the MATH train file loads, its 2 answerless rows are skipped and counted."""
     import subprocess
 
-    from stages.base import model_path
+    from stages.base_model import model_path
 
     from conftest import BIN, REPO
     res = subprocess.run([str(BIN / "ggpo"), "stage", "rollout", "--preset", "qwen3-1.7b", "--no-track",
@@ -253,7 +253,7 @@ def test_a_bf16_reference_keeps_fp32_rotary_frequencies_at_long_positions():
     (what the runtime once did) also casts the buffer, and that moves them: the check can fail."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from stages.train.policy import make_batch, token_logprobs
+    from pipeline.training.policy import make_batch, token_logprobs
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
                       num_key_value_heads=1, head_dim=32, intermediate_size=64, max_position_embeddings=8192)
@@ -286,9 +286,9 @@ def test_the_reference_computes_what_the_policy_computes_at_update_0_and_after_a
     refresh, and non-zero between. A reference whose every parameter is bf16 runs its
     residual stream in bf16 and is off by ~1e-2 nat a token (summed over a response, up to
     nats: enough to reorder GGPO's weights among successes)."""
-    from pipeline.runtime import cast_parameters
-    from stages.base import model_path
-    from stages.train.pool import batch
+    from pipeline.models.runtime import cast_parameters
+    from pipeline.training.pool import batch
+    from stages.base_model import model_path
     cfg = load_config("smoke", ["train.dtype=bfloat16", "train.device=cpu", "train.t_ref=2",
                                 "train.method=ggpo", "train.lr=1e-3"])
     rt = make_runtime(cfg.train)
@@ -312,7 +312,7 @@ def test_the_reference_computes_what_the_policy_computes_at_update_0_and_after_a
     print(f"\nall-bf16 reference at update 0: |ell| up to {ell(all_bf16).abs().max():.4f} nat")
     assert ell(all_bf16).abs().max() > 0
     for u in range(2):
-        loop.one_update(st, pl_pool, groups, cfg, 0, rt, None)
+        loop.one_update(st, loop.TrainContext(cfg, pl_pool, rt, 0), groups)
         if u == 0:
             assert ell(st.reference).abs().max() > 0           # the policy moved, the reference did not
     assert torch.equal(ell(st.reference), torch.zeros(b.mask.shape[0]))     # refreshed after update 2
@@ -327,7 +327,7 @@ def test_temperature_outside_vllms_range_is_refused_in_preflight(temperature):
 def test_fsdp_keeps_fp32_parameters_unless_asked():
     """Under FSDP the default matches one process (fp32 parameters, bf16 autocast); bf16
     parameters only with train.fsdp_param_dtype=bfloat16."""
-    from stages.train.distributed import mixed_precision
+    from pipeline.training.distributed import mixed_precision
     assert mixed_precision(torch.bfloat16, "float32").param_dtype is None
     assert mixed_precision(torch.bfloat16, "bfloat16").param_dtype == torch.bfloat16
     assert mixed_precision(None, "bfloat16").param_dtype is None
@@ -356,7 +356,7 @@ def test_packed_rows_give_the_padded_logprobs_and_gradients(tied, dtype):
     restarting per row, no mask): the same log-probs and parameter gradients within the
     dtype's rounding (two computations; scale: the largest logit / gradient, terms: the
     longest sum, the vocabulary), for tied and untied heads."""
-    from stages.train.policy import make_batch, token_logprobs
+    from pipeline.training.policy import make_batch, token_logprobs
 
     from tolerance import assert_close
     model = _lm(tied, dtype)
@@ -395,8 +395,8 @@ def test_packed_training_equals_padded_training(tmp_path, base_manifest, pool):
 
 
 def dag_key_of(cfg, override: str) -> str:
-    from pipeline import dag
-    return dag.expected_key("train", cfg.updated(dict([override.split("=")])))
+    from pipeline.dag import graph
+    return graph.expected_key("train", cfg.updated(dict([override.split("=")])))
 
 
 def test_the_reference_cache_changes_nothing_and_saves_forwards(tmp_path, base_manifest, pool):
@@ -425,15 +425,16 @@ def test_an_update_reads_the_device_once(base_manifest, pool, monkeypatch):
     packed batches have none.)"""
     import sys
 
-    from stages.base import model_path
-    from stages.train.loop import new_state, run_update
-    from stages.train.pool import load_pool
+    from pipeline.training.loop import new_state, run_update
+    from pipeline.training.pool import load_pool
+    from stages.base_model import model_path
     cfg = load_config("smoke", ["train.method=grpo_tis", "train.micro_batch_groups=3"])
     rt = make_runtime(cfg.train)
     st = new_state(cfg, model_path(base_manifest), model_path(base_manifest), rt)
     p = load_pool(pool[2].path("train_pool"), 8)
     groups = list(range(8))
-    lp_old = loop.step_anchor(st.model, p, groups, cfg, 0, rt)
+    ctx = loop.TrainContext(cfg, p, rt, 0)
+    st.lp_old = loop.step_anchor(st.model, ctx, groups)
     calls = []
 
     def ours() -> bool:      # called from the project's own code (pipeline/, stages/)?
@@ -443,7 +444,7 @@ def test_an_update_reads_the_device_once(base_manifest, pool, monkeypatch):
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k:
                             (calls.append(_n) if ours() else None, _o(self, *a, **k))[1])
-    row = run_update(st.model, st.reference, p, groups, cfg, 0, lp_old, rt)
+    row = run_update(st, ctx, groups)
     monkeypatch.undo()
     assert calls == ["tolist"], calls
     assert math.isfinite(row["loss"]) and len(row["seq_log_ratio"]) == 64
@@ -454,7 +455,7 @@ def test_auto_packs_on_cuda_with_flex_attention_when_flash_attn_is_absent(monkey
     with flex attention instead of silently padding; flash-attn's varlen kernels when present."""
     import importlib.util
 
-    from pipeline import runtime
+    from pipeline.models import runtime
     real = importlib.util.find_spec
     cuda = torch.device("cuda")
     for flash, expected in ((False, (True, "flex_attention")), (True, (True, "flash_attention_2"))):
@@ -477,7 +478,7 @@ def test_packed_rows_reach_a_varlen_attention_with_their_boundaries_once():
     device-to-host read per layer)."""
     from transformers import AttentionInterface
 
-    from stages.train.policy import make_batch, token_logprobs
+    from pipeline.training.policy import make_batch, token_logprobs
 
     from tolerance import assert_close
     seen = []

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from pipeline.grading import RETRY_FACTOR, grade, grade_many, pool_info, summary
+from pipeline.tasks.grading import RETRY_FACTOR, grade, grade_many, pool_info, summary
 
 SLOW = r"The answer is \boxed{\int_0^1 e^{x^2} \sin(x^{3}) dx}"   # sympy takes >10 s on this
 
@@ -209,7 +209,7 @@ def test_killed_worker_is_replaced_and_its_responses_regraded():
     by a fresh pool: the verdicts equal an undisturbed run's (no `timeout` for the response
     it died under: one death does not convict a response), and the killed worker and the
     pool it was in leave no process behind, reaped ones included."""
-    from pipeline.grading import close_pool
+    from pipeline.tasks.grading import close_pool
     responses, answers, _ = _batch(40)
     responses[10], answers[10] = integral(6), ("1",)    # costs CPU: seen in flight, then killed
     undisturbed = grade_many(responses, answers, 60.0, workers=2, chunk=20)
@@ -233,3 +233,16 @@ def test_killed_worker_is_replaced_and_its_responses_regraded():
     assert _children().isdisjoint(old_pids)                           # none left, not even a zombie
     close_pool()
     assert _children().isdisjoint(info["pids"])
+
+
+def test_bounded_grader_runs_in_the_calling_thread_in_order():
+    """Countdown's answers are graded here (grading.BOUNDED): no worker pool starts for them,
+    and a batch mixing them with math-verify answers keeps its order."""
+    from pipeline.tasks import grading
+    grading.close_pool()
+    ref = ("countdown:3 5 7=22",)
+    out = grading.grade_many(["\\boxed{3*5+7}", "\\boxed{3+5+7}", "no box"], [ref] * 3, 1.0, workers=2)
+    assert [(g.reward, g.status) for g in out] == [(1.0, "ok"), (0.0, "ok"), (0.0, "no_answer")]
+    assert grading.pool_info() == {}
+    mixed = grading.grade_many(["\\boxed{2}", "\\boxed{7+5*3}", "\\boxed{3}"], [("2",), ref, ("2",)], 5.0, workers=1)
+    assert [g.reward for g in mixed] == [1.0, 1.0, 0.0]

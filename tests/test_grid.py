@@ -1,17 +1,19 @@
-"""Experiments as a grid (pipeline/grid.py) and the offline flow's loop over its cells.
+"""Experiments as a grid (pipeline/core/grid.py) and the offline flow's loop over its cells.
 
 The flow's submission logic (flows/offline.py `Runner`, `submit_seed`, `collect`) is tested
 without Prefect: a Runner subclass records each stage it is asked to submit, or builds it
-at once with the real stages (`dag.run`), so no temporary Prefect server is started here
+at once with the real stages (`graph.run`), so no temporary Prefect server is started here
 (the suite already has one slow flow test through Prefect, tests/test_quiet_run.py).
 """
 import polars as pl
 import pytest
 
 from flows.offline import Runner, collect, submit_seed
-from pipeline import dag, grid, report
-from pipeline.config import ConfigError, load_config
-from pipeline.store import Store
+from pipeline.core import grid
+from pipeline.core.config import ConfigError, load_config
+from pipeline.core.store import Store
+from pipeline.dag import graph
+from pipeline.reports import offline
 
 CLIP = {"ggpo_clip": {"train.method": "ggpo", "train.ggpo_clip_delta": 0.05}}
 
@@ -71,7 +73,7 @@ def test_invalid_cell_is_named_before_any_work():
 
 def test_train_grid_shares_the_pool_and_rollout_grid_does_not():
     def keys(stage, cfg):
-        return [(c.seed, dag.expected_key(stage, c.config)) for c in grid.cells(cfg)]
+        return [(c.seed, graph.expected_key(stage, c.config)) for c in grid.cells(cfg)]
     lr = smoke(seeds=[1, 2], methods=["grpo"], grid={"train.lr": [1e-5, 1e-4]})
     pools = keys("filter", lr)
     assert len(pools) == 4 and len(set(pools)) == 2 and pools[0][1] != pools[2][1]   # one per seed
@@ -88,7 +90,7 @@ class Recorder(Runner):
         self.calls = []
 
     def submit(self, stage, cfg, inputs, name):
-        self.calls.append((stage, name, dag.expected_key(stage, cfg)))
+        self.calls.append((stage, name, graph.expected_key(stage, cfg)))
         return name
 
 
@@ -107,7 +109,7 @@ def test_default_flow_submits_todays_stages():
     per_seed = ["rollout-seed{s}", "verify-seed{s}", "filter-seed{s}", "evaluate-base-seed{s}", "train-grpo-seed{s}",
                 "evaluate-grpo-seed{s}-u4", "train-ggpo-seed{s}", "evaluate-ggpo-seed{s}-u4"]
     assert names == ["base"] + [n.format(s=s) for s in (42, 7) for n in per_seed]
-    assert {(stage, key) for stage, _, key in rec.calls} == dag.experiment_keys(cfg)
+    assert {(stage, key) for stage, _, key in rec.calls} == graph.experiment_keys(cfg)
     assert [(stub["method"], stub["kind"], future) for stub, future in pending[:3]] == [
         ("grpo", "train", "train-grpo-seed42"), ("grpo", "eval", "evaluate-base-seed42"),
         ("grpo", "eval", "evaluate-grpo-seed42-u4")]
@@ -131,7 +133,7 @@ class Inline(Recorder):
 
     def submit(self, stage, cfg, inputs, name):
         super().submit(stage, cfg, inputs, name)
-        manifest = dag.run(stage, cfg, {k: v.result() for k, v in inputs.items()}, Store())
+        manifest = graph.run(stage, cfg, {k: v.result() for k, v in inputs.items()}, Store())
         return type("Done", (), {"result": lambda self: manifest})()
 
 
@@ -150,9 +152,31 @@ def test_grid_run_shares_pool_and_group_order_and_reports_cells(base_manifest, t
     assert evals.columns == ["method", "seed", "update", "accuracy", "cell", "train.lr"]
     assert evals.filter(pl.col("update") == 4)["cell"].to_list() == [
         "grpo lr=1e-5", "grpo lr=1e-4", "ggpo_clip lr=1e-5", "ggpo_clip lr=1e-4"]
-    paths = report.write(evals, pl.concat(curves), tmp_path, "mean@4")
+    paths = offline.write(evals, pl.concat(curves), tmp_path, "mean@4")
     md = paths["markdown"].read_text()
     assert "| cell | update 0 | update 4 |" in md and "| ggpo_clip lr=1e-4 |" in md
     summary = pl.read_csv(paths["csv"])
     assert summary.height == 8 and set(summary["train.lr"]) == {1e-5, 1e-4}
     assert {f["method"][0] for f in finals} == {"grpo lr=1e-5", "grpo lr=1e-4", "ggpo_clip lr=1e-5", "ggpo_clip lr=1e-4"}
+
+
+@pytest.mark.parametrize("flow, sets, cells_per_seed", [
+    ("online", ['experiment.grid={"train.updates_per_step": [1, 4, 16, 64]}'], 16),                 # the ladder
+    ("online", ['experiment.methods=["agro","ggpo"]', 'experiment.grid={"train.t_ref": ["fixed", 10]}'], 4),  # ablation
+    ("offline", ["experiment.flow=offline"], 4),                                                    # the comparison
+])
+def test_the_testbeds_commands_run_the_papers_three_seeds_in_one_command(flow, sets, cells_per_seed):
+    """README's testbed commands with --set 'experiment.seeds=[42,1234,2027]': every cell once
+    per seed (seed outermost), each seed's cells the one-seed command's, and the report's
+    tables group the seeds of a cell (same label) into mean ± std."""
+    from pipeline.core.config import parse_overrides
+    from pipeline.dag.preflight import flow_overrides
+    one = grid.cells(load_config("tiny-regime", flow_overrides(parse_overrides(sets))))
+    three = grid.cells(load_config("tiny-regime", flow_overrides(parse_overrides(sets + ["experiment.seeds=[42,1234,2027]"]))))
+    assert len(one) == cells_per_seed and len(three) == 3 * cells_per_seed
+    assert [c.seed for c in three] == [42] * cells_per_seed + [1234] * cells_per_seed + [2027] * cells_per_seed
+    assert [c.label for c in three] == [c.label for c in one] * 3
+    # what each cell trains (its config but the experiment section): the one-seed cell's
+    assert [c.config.model_dump(exclude={"experiment"}) for c in three[:cells_per_seed]] \
+        == [c.config.model_dump(exclude={"experiment"}) for c in one]
+    assert {c.config.seed for c in three} == {42, 1234, 2027}

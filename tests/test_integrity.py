@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import dag
 from pipeline.cli import main
-from pipeline.errors import DamagedArtifact
-from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import MANIFEST, Manifest, Store, sha256_file
+from pipeline.core.errors import DamagedArtifact
+from pipeline.core.store import MANIFEST, Manifest, Store, sha256_file
+from pipeline.dag import graph
+from pipeline.dag.spec import Built, StageSpec, run_stage
 
 
 def copy_artifact(manifest: Manifest, store: Store) -> Manifest:
@@ -96,14 +96,14 @@ def test_stage_rebuilds_a_damaged_input_from_intact_inputs(pool, base_manifest, 
     original = filt.files["train_pool"].sha256
     damage(filt.path("train_pool"), "truncated")
 
-    inputs = dag.cached_inputs("train", smoke_cfg, store, "smoke")
+    inputs = graph.cached_inputs("train", smoke_cfg, store, "smoke")
     assert not inputs["pool"].cache_hit and inputs["pool"].key == pool[2].key
     assert sha256_file(inputs["pool"].path("train_pool")) == original     # the same pool, rebuilt
     assert any("will be rebuilt" in r.message and "train_pool.parquet" in r.message for r in caplog.records)
 
     damage(inputs["pool"].path("train_pool"), "missing")
     with pytest.raises(DamagedArtifact, match=r"`ggpo stage filter --preset smoke --force`"):
-        dag.cached_inputs("train", smoke_cfg, store, "smoke", rebuild_damaged=False)
+        graph.cached_inputs("train", smoke_cfg, store, "smoke", rebuild_damaged=False)
 
 
 def test_cache_gc_dry_run_then_yes(pool, tmp_path, monkeypatch, capsys):
@@ -136,7 +136,7 @@ def test_cache_gc_dry_run_then_yes(pool, tmp_path, monkeypatch, capsys):
 
 
 def test_hash_is_remembered_per_file_version(tmp_path):
-    from pipeline.store import sha256_cached
+    from pipeline.core.store import sha256_cached
     path = tmp_path / "f.bin"
     path.write_bytes(b"a" * 100)
     first = sha256_cached(path)

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from pipeline import interrupt
+from pipeline.core import interrupt
 
 from conftest import assert_interrupted_cleanly, interrupt_offline_run
 

@@ -1,4 +1,4 @@
-"""The chunked fused LM head (stages/train/lm_head.py) against exact arithmetic.
+"""The chunked fused LM head (pipeline/training/lm_head.py) against exact arithmetic.
 
 A randomly initialised Qwen3ForCausalLM with the real vocabulary (151,936) and a tiny body:
 log-probs, entropy and the gradient of every parameter, from the chunked path and from the
@@ -16,8 +16,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from stages.train.lm_head import chunked_logprobs, hidden_for_targets, lm_head_weight
-from stages.train.policy import make_batch
+from pipeline.training.lm_head import chunked_logprobs, hidden_for_targets, lm_head_weight
+from pipeline.training.policy import make_batch
 
 from tolerance import assert_close, rounding_tol
 

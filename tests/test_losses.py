@@ -1,10 +1,10 @@
-"""Losses and diagnostics against ../shared/spec/algorithms.md section 12 (float64)."""
+"""Losses and diagnostics against docs/math.md section 12: its golden values (float64)."""
 import pytest
 import torch
 
-from pipeline.config import TrainConfig
-from stages.train.diagnostics import micro_batch_stats, normalized_ess
-from stages.train.losses import (
+from pipeline.core.config import TrainConfig
+from pipeline.training.diagnostics import micro_batch_stats, normalized_ess
+from pipeline.training.losses import (
     LossInputs,
     agro_coefficients,
     agro_loss,
@@ -148,7 +148,7 @@ def test_diagnostics_golden():
 def test_entropy_golden():
     from types import SimpleNamespace
 
-    from stages.train.policy import make_batch, token_logprobs
+    from pipeline.training.policy import make_batch, token_logprobs
     probs = torch.tensor([0.7, 0.2, 0.1])
     model = lambda input_ids, **_: SimpleNamespace(logits=probs.log().expand(1, input_ids.shape[1], 3))
     _, entropy = token_logprobs(model, make_batch([[0]], [[1]], 2), with_entropy=True, impl="full")

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from pipeline.metrics import best_at_k, difficulty_split, mean_at_k, mean_std, pass_at_k, problem_weighted_average
+from pipeline.core.metrics import best_at_k, difficulty_split, mean_at_k, mean_std, pass_at_k, problem_weighted_average
 
 
 @pytest.mark.parametrize("c, expected", [(0, [0, 0, 0, 0]), (1, [0.125, 0.25, 0.5, 1]),

@@ -9,9 +9,9 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline import dag
-from pipeline.config import ConfigError, load_config
-from pipeline.store import Store
+from pipeline.core.config import ConfigError, load_config
+from pipeline.core.store import Store
+from pipeline.dag import graph
 from stages.online_pool import RefillError, collect_mixed, loader_positions
 
 from conftest import BIN, REPO
@@ -54,15 +54,15 @@ def run_cell(cfg, base, store=None) -> tuple[dict, list]:
     """One online cell in this process, as the flow runs it: (its counts, its round records)."""
     from stages.online_cell import run_cell as run
     store = store or Store()
-    counts = run(cfg, store, base)
+    result = run(cfg, store, base)
     rounds = cfg.train.updates // cfg.train.updates_per_step
-    records = [store.load("online_train", dag.online_keys(cfg, r)["online_train"]) for r in range(rounds)]
-    assert records[-1].key == counts["final_round"] and all(records), counts
-    return counts, records
+    records = [store.load("online_train", graph.online_keys(cfg, r)["online_train"]) for r in range(rounds)]
+    assert [r.trained.key for r in result.rounds] == [m.key for m in records] and all(records), result.counts
+    return result.counts, records
 
 
 def final_policy(cfg, store=None):
-    return (store or Store()).load("online_policy", dag.expected_key("online_policy", cfg))
+    return (store or Store()).load("online_policy", graph.expected_key("online_policy", cfg))
 
 
 def metrics_of(manifests) -> pl.DataFrame:
@@ -103,7 +103,7 @@ def test_the_jth_update_of_a_step_is_j_updates_stale(base_manifest, logit_scale)
     assert rows["staleness"].to_list() == [0, 1, 2, 3] * 3
     k3 = rows.group_by("staleness").agg(pl.col("k3_mismatch").mean()).sort("staleness")["k3_mismatch"].to_list()
     assert k3[0] <= (2 * rounding_tol(torch.float32, *logit_scale)) ** 2 / 2 and k3[0] < k3[1] < k3[2] < k3[3], k3
-    pool = Store().load("online_pool", dag.expected_key("online_pool", cfg))      # round 0's
+    pool = Store().load("online_pool", graph.expected_key("online_pool", cfg))      # round 0's
     assert pool.summary["groups_kept"] == 24
     drawn = pl.read_parquet(pool.path("draws"))
     assert drawn.height == pool.summary["prompts_drawn"] and drawn["kept"].sum() == 24
@@ -116,7 +116,7 @@ def test_the_jth_update_of_a_step_is_j_updates_stale(base_manifest, logit_scale)
     ({"online.max_draws": 1, "online.draw_prompts": 4}, r"online.max_draws x draw size = 4 prompts can never fill"),
 ])
 def test_online_geometry_is_checked_before_any_work(overrides, message):
-    from pipeline.preflight import check_run
+    from pipeline.dag.preflight import check_run
     with pytest.raises(ConfigError, match=message) as err:     # every cell: said once
         check_run("online", "smoke-online", overrides)
     assert "\n" not in str(err.value)
@@ -133,7 +133,7 @@ def test_ggpo_stage_names_the_missing_round():
 
 
 def test_report_tables_against_n_and_t_ref(tmp_path):
-    from pipeline import online_report
+    from pipeline.reports import online
     evals, curves = [], []
     for method, t_ref in (("grpo", "fixed"), ("ggpo", "160")):
         for n in (1, 4):
@@ -146,7 +146,7 @@ def test_report_tables_against_n_and_t_ref(tmp_path):
                             "k3_mismatch": 1e-4 * n, "ess": 1.0, "entropy": 0.1 * u, "response_length": 15.0,
                             "mean_ell": 0.5 * u + (method == "ggpo"), "success_ess": None if u % 2 else 0.9 - 0.1 * n,
                             "responses_generated": 256 * u} for u in range(1, 9)]
-    table, paths = online_report.write(pl.DataFrame(evals), pl.DataFrame(curves), tmp_path, "mean@8")
+    table, paths = online.write(pl.DataFrame(evals), pl.DataFrame(curves), tmp_path, "mean@8")
     staleness = pl.read_csv(tmp_path / "staleness.csv")
     grpo4 = staleness.filter((pl.col("method") == "grpo") & (pl.col("N") == 4)).row(0, named=True)
     assert grpo4["mean"] == pytest.approx(0.47) and grpo4["std"] == pytest.approx(0.02 / 2 ** 0.5) and grpo4["seeds"] == 2
@@ -159,7 +159,8 @@ def test_report_tables_against_n_and_t_ref(tmp_path):
     ggpo1 = diag.filter((pl.col("method") == "ggpo") & (pl.col("N") == 1)).row(0, named=True)
     assert ggpo1["mean_ell"] == pytest.approx(1 + 0.5 * 7.5) and ggpo1["entropy"] == pytest.approx(0.75)
     assert ggpo1["success_ess"] == pytest.approx(0.8)
-    assert "| method | cell | N | t_ref | k3_mismatch | ess | mean_ell | entropy | success_ess | response_length |" in table
+    assert ("| method | cell | N | t_ref | seeds | k3_mismatch | ess | mean_ell | entropy | success_ess | response_length "
+            "| round_drift | round_drift_seq |") in table
     assert {p.name for p in paths} >= {"figure1.png", "figure2.png", "figure3_7.png", "final.csv", "report.md"}
 
 
@@ -174,7 +175,7 @@ def test_a_stopped_cell_is_evaluated_at_its_points_before_the_stop_and_at_the_st
 def test_report_marks_a_cell_that_stopped_early(tmp_path):
     """A cell that stalled (online.on_stall=stop) reports its policy at the stop as its final,
     with the update beside it; one seed stopping does not hide the other seed's final."""
-    from pipeline import online_report
+    from pipeline.reports import online
     evals = []
     for n, stop in ((1, None), (16, 16)):
         for seed in (42, 7):
@@ -184,7 +185,7 @@ def test_report_marks_a_cell_that_stopped_early(tmp_path):
     curves = [{"method": "ggpo", "cell": f"ggpo updates_per_step={n}", "N": n, "t_ref": "20", "seed": 42, "update": u,
                "k3_mismatch": 0.0, "ess": 1.0, "entropy": 0.1, "response_length": 9.0, "mean_ell": 0.5,
                "success_ess": 0.9, "responses_generated": 64 * u} for n in (1, 16) for u in range(1, 17)]
-    table, _ = online_report.write(pl.DataFrame(evals), pl.DataFrame(curves), tmp_path, "mean@8")
+    table, _ = online.write(pl.DataFrame(evals), pl.DataFrame(curves), tmp_path, "mean@8")
     assert "| ggpo updates_per_step=16 | 16 | 20 | 2 | 16 | 15.50 ± 20.51 |" in table
     assert "| ggpo updates_per_step=1 | 1 | 20 | 2 | 64 | 30.00 ± 0.00 |" in table
     assert "A cell whose update is below 64 stopped there" in table
@@ -195,10 +196,10 @@ def test_report_marks_a_cell_that_stopped_early(tmp_path):
 def test_report_without_a_base_evaluation():
     """`ggpo report` on a partly built cache: a cell's online evaluations without the base
     policy's (its mean is None) say so instead of failing on None."""
-    from pipeline import online_report
+    from pipeline.reports import online
     evals = pl.DataFrame([{"method": "ggpo", "cell": "ggpo", "N": 1, "t_ref": "20", "seed": 42, "update": u,
                            "accuracy": a} for u, a in ((4, 0.25), (8, 0.5))])
-    table = online_report.markdown_final(evals, "mean@8")
+    table = online.markdown_final(evals, "mean@8")
     assert "(mean@8, %; base policy not evaluated)" in table and "| ggpo | 1 | 20 | 1 | 8 | 50.00 |" in table
 @pytest.mark.servers
 def test_flow_with_parallel_builds_equals_sequential_rounds(tmp_path, base_manifest):
@@ -224,3 +225,67 @@ def test_flow_with_parallel_builds_equals_sequential_rounds(tmp_path, base_manif
     flow_table = (Path(folder) / "report.md").read_text()       # what the flow wrote and logged
     assert flow_table.strip() in rep.stdout and "Final accuracy" in flow_table, (flow_table, rep.stdout)
     assert "online_pool" in rep.stdout and "not built" not in rep.stdout
+
+
+def test_report_diagnostics_and_drift_are_mean_and_sample_std_over_seeds(tmp_path):
+    """Three seeds of two cells (N = 2, 4 rounds each): the diagnostics table and CSV hold
+    mean and std (ddof 1) over seeds of each seed's last-quarter mean, and the drift table
+    each seed's first / mean / max / last round drift, all checked against numpy float64."""
+    import numpy as np
+
+    from pipeline.reports import online
+    rng, curves, evals = np.random.default_rng(1), [], []
+    for method in ("grpo", "ggpo"):
+        cell = f"{method} updates_per_step=2"
+        for seed in (42, 1234, 2027):
+            evals += [{"method": method, "cell": cell, "N": 2, "t_ref": "10", "seed": seed, "update": u,
+                       "accuracy": float(rng.random())} for u in (0, 8)]
+            for u in range(1, 9):
+                end = u % 2 == 0
+                curves.append({"method": method, "cell": cell, "N": 2, "t_ref": "10", "seed": seed, "update": u,
+                               "round": (u - 1) // 2, "k3_mismatch": float(rng.random()), "ess": 1.0, "entropy": 0.1,
+                               "response_length": 9.0, "mean_ell": float(rng.normal()), "success_ess": None,
+                               "responses_generated": 64 * u, "round_drift": float(rng.random()) if end else None,
+                               "round_drift_seq": float(rng.random()) if end else None})
+    table, paths = online.write(pl.DataFrame(evals), pl.DataFrame(curves), tmp_path, "mean@8")
+    diag, drift = pl.read_csv(tmp_path / "diagnostics.csv"), pl.read_csv(tmp_path / "drift.csv")
+
+    def per_seed(method, col, pick):
+        return [pick([r[col] for r in curves if r["method"] == method and r["seed"] == s and r[col] is not None
+                      and (pick is not np.mean or r["update"] > 6)]) for s in (42, 1234, 2027)]
+    for method in ("grpo", "ggpo"):
+        row = diag.filter(pl.col("method") == method).row(0, named=True)
+        for col in ("k3_mismatch", "mean_ell", "round_drift", "round_drift_seq"):
+            values = per_seed(method, col, np.mean)
+            assert row[col] == pytest.approx(np.mean(values), rel=1e-12)
+            assert row[f"{col}_std"] == pytest.approx(np.std(values, ddof=1), rel=1e-12)
+        assert row["seeds"] == 3 and row["success_ess"] is None
+        assert f"{row['k3_mismatch']:.4g} ± {row['k3_mismatch_std']:.2g}" in table
+        mx = per_seed(method, "round_drift", np.max)
+        assert f"| {np.mean(mx):.4g} ± {np.std(mx, ddof=1):.2g} |" in table
+        r2 = drift.filter((pl.col("method") == method) & (pl.col("round") == 2)).row(0, named=True)
+        at = [r["round_drift"] for r in curves if r["method"] == method and r["update"] == 6]
+        assert r2["update"] == 6 and r2["round_drift"] == pytest.approx(np.mean(at), rel=1e-12)
+        assert r2["round_drift_std"] == pytest.approx(np.std(at, ddof=1), rel=1e-12)
+    assert drift.height == 8 and "| method | cell | N | t_ref | seeds | rounds | first | mean | max | last |" in table
+    assert "| grpo | grpo updates_per_step=2 | 2 | 10 | 3 | 4 ± 0 |" in table      # every seed ran 4 rounds
+
+
+def test_round_log_batches_without_losing_a_round(monkeypatch):
+    """A cell's rounds reach MLflow every PUBLISH_EVERY rounds and at the end, each once; the
+    Prefect table gets every row (flows/online.RoundLog)."""
+    from types import SimpleNamespace
+
+    from flows import online as flow
+    sent, tables = [], []
+    monkeypatch.setattr(flow.tracking, "log_rounds", lambda rounds, run_id: sent.append([t.r for t, _ in rounds]))
+    monkeypatch.setattr(flow, "create_table_artifact", lambda table, key, description: tables.append(len(table)))
+    log = flow.RoundLog("run", "ggpo N=1 seed=42")
+    for r in range(flow.PUBLISH_EVERY + 3):
+        pool = SimpleNamespace(key="p" * 16, summary={"prompts_drawn": 8, "groups_kept": 8, "pool_mean_reward": 0.5})
+        trained = SimpleNamespace(r=r, key="t" * 16, summary={"updates": r + 1, "final_reward": 0.5})
+        log.add(r, pool, trained)
+    log.publish()
+    log.publish()           # nothing new: no second batch
+    assert sent == [list(range(flow.PUBLISH_EVERY)), list(range(flow.PUBLISH_EVERY, flow.PUBLISH_EVERY + 3))]
+    assert tables == [flow.PUBLISH_EVERY, flow.PUBLISH_EVERY + 3]

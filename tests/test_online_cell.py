@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import dag
-from pipeline.config import load_config
-from pipeline.engines import SamplingParams
-from pipeline.errors import TrainingError, WeightSyncError
-from pipeline.store import MANIFEST, Store
+from pipeline.core.config import load_config
+from pipeline.core.errors import TrainingError, WeightSyncError
+from pipeline.core.store import MANIFEST, Store
+from pipeline.dag import graph
+from pipeline.models.engines import SamplingParams
 from stages.online_cell import run_cell, state_folder
 from stages.online_pool import RefillError
 
@@ -48,7 +48,7 @@ def weights(manifest) -> dict[str, torch.Tensor]:
 
 def policy(cfg, store: Store, at: int | None = None):
     c = cfg if at is None else cfg.updated({"eval.update": at})
-    return store.load("online_policy", dag.expected_key("online_policy", c))
+    return store.load("online_policy", graph.expected_key("online_policy", c))
 
 
 def heavy_bytes(store: Store) -> dict[str, int]:
@@ -66,10 +66,10 @@ def heavy_bytes(store: Store) -> dict[str, int]:
 def test_transformers_sync_equals_a_fresh_engine_on_the_saved_policy(base_manifest, tmp_path):
     """The in-place sync (load_weights) samples exactly what an engine built from the
     learner's saved folder samples: the old per-round reload, without the reload."""
-    from pipeline.engines.hf import TransformersEngine
-    from pipeline.hf import load_model, load_tokenizer
-    from stages.base import model_path
-    from stages.train.loop import save_policy
+    from pipeline.models.engines.hf import TransformersEngine
+    from pipeline.models.hf import load_model, load_tokenizer
+    from pipeline.training.loop import save_policy
+    from stages.base_model import model_path
     learner = load_model(model_path(base_manifest))
     with torch.no_grad():
         for p in learner.parameters():
@@ -85,8 +85,8 @@ def test_transformers_sync_equals_a_fresh_engine_on_the_saved_policy(base_manife
 
 
 def test_a_sampler_that_rejects_the_weights_says_so_in_one_line(base_manifest):
-    from pipeline.engines.hf import TransformersEngine
-    from stages.base import model_path
+    from pipeline.models.engines.hf import TransformersEngine
+    from stages.base_model import model_path
     engine = TransformersEngine(model_path(base_manifest), batch_prompts=8)
     named = [(n, p.detach()) for n, p in engine.model.named_parameters()]
     renamed = [("module." + named[0][0], named[0][1])] + named[1:]
@@ -105,7 +105,7 @@ class RecordingLLM:
     declared dtype and shape those of the tensor)."""
 
     def __init__(self, model_path: str, kwargs: dict):
-        from pipeline.hf import load_model
+        from pipeline.models.hf import load_model
         assert kwargs["enable_sleep_mode"] is True and kwargs["weight_transfer_config"] == {"backend": "ipc"}
         assert os.environ.get("VLLM_ALLOW_INSECURE_SERIALIZATION") == "1"
         self.model = load_model(model_path).to(torch.bfloat16)
@@ -143,9 +143,9 @@ class RecordingLLM:
 
 
 def test_vllm_sync_sends_every_tensor_through_the_weight_transfer_api(base_manifest, monkeypatch):
-    from pipeline.engines import vllm_engine as ve
-    from pipeline.hf import load_model
-    from stages.base import model_path
+    from pipeline.models.engines import vllm_engine as ve
+    from pipeline.models.hf import load_model
+    from stages.base_model import model_path
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     monkeypatch.setattr(ve, "build_llm", lambda path, kwargs: RecordingLLM(path, kwargs))
     engine = ve.VLLMEngine(model_path(base_manifest), seed=3, resident=True)
@@ -201,7 +201,7 @@ def test_sigkill_at_a_random_moment_then_rerun_equals_uninterrupted(tmp_path, ba
     env = os.environ | {"GGPO_CACHE": str(killed.root)}
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-    pool_r = killed.folder("online_pool", dag.online_keys(cfg, at_round)["online_pool"]) / MANIFEST
+    pool_r = killed.folder("online_pool", graph.online_keys(cfg, at_round)["online_pool"]) / MANIFEST
     deadline = time.monotonic() + 300
     while not pool_r.exists():
         assert proc.poll() is None, proc.stdout.read()[-3000:]
@@ -210,7 +210,7 @@ def test_sigkill_at_a_random_moment_then_rerun_equals_uninterrupted(tmp_path, ba
     time.sleep(delay)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
-    committed = sum(killed.load("online_pool", dag.online_keys(cfg, r)["online_pool"]) is not None
+    committed = sum(killed.load("online_pool", graph.online_keys(cfg, r)["online_pool"]) is not None
                     for r in range(rounds))
     assert proc.returncode == -signal.SIGKILL and at_round + 1 <= committed < rounds
     rerun = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -222,7 +222,7 @@ def test_sigkill_at_a_random_moment_then_rerun_equals_uninterrupted(tmp_path, ba
     for at in (3, 6, 9, 12, 15, 16):
         a, b = weights(policy(cfg, straight, at)), weights(policy(cfg, killed, at))
         assert all(torch.equal(a[k], b[k]) for k in a), f"policy after update {at}"
-    last = dag.online_keys(cfg, rounds - 1)["online_train"]
+    last = graph.online_keys(cfg, rounds - 1)["online_train"]
     assert killed.load("online_train", last).summary["cumulative_prompts"] == \
         straight.load("online_train", last).summary["cumulative_prompts"]
     assert not (state_folder(killed, cfg) / "pending").exists()
@@ -236,7 +236,7 @@ def chains(tmp_path_factory, base_manifest):
     for name, steps in (("extended", (16, 32)), ("straight", (32,)), ("short", (8,))):
         store = store_with_base(root / name, base_manifest)
         out[name] = (store, [run_cell(cfg_of(**{"train.updates": n, "online.checkpoint_every": 1}), store,
-                                      base_manifest) for n in steps])
+                                      base_manifest).counts for n in steps])
     return out
 
 
@@ -246,7 +246,7 @@ def test_a_longer_run_continues_the_chain(chains):
     # the 32-update run starts at the 16-update run's last checkpoint: rounds 0-7 are not redone
     assert (second["rounds_skipped"], second["rounds_replayed"], second["rounds_sampled"]) == (8, 0, 8)
     cfg16, cfg32 = cfg_of(**{"train.updates": 16}), cfg_of(**{"train.updates": 32})
-    assert [dag.online_keys(cfg16, r) for r in range(8)] == [dag.online_keys(cfg32, r) for r in range(8)]
+    assert [graph.online_keys(cfg16, r) for r in range(8)] == [graph.online_keys(cfg32, r) for r in range(8)]
     straight, _ = chains["straight"]
     a, b = weights(policy(cfg32, store)), weights(policy(cfg32, straight))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -274,11 +274,11 @@ def test_a_round_that_cannot_fill_its_pool_ends_the_cell_at_its_policy(tmp_path,
     same place without sampling the finished round again; on_stall=error fails in one line."""
     cfg = cfg_of(**{"train.lr": 1.0, "train.updates": 6, "online.max_draws": 2})
     store = store_with_base(tmp_path / "s", base_manifest)
-    counts = run_cell(cfg, store, base_manifest)
+    counts = run_cell(cfg, store, base_manifest).counts
     assert (counts["stalled"]["round"], counts["stalled"]["update"], counts["update"], counts["rounds"]) == (1, 2, 2, 1)
     assert re.search(r"online round 1 \(seed 42\): found 0 mixed-reward groups from \d+ prompts", counts["stalled"]["reason"])
     assert policy(cfg, store, 2) is not None and policy(cfg, store) is None
-    again = run_cell(cfg, store, base_manifest)
+    again = run_cell(cfg, store, base_manifest).counts
     assert again["stalled"] == counts["stalled"] and again["rounds_sampled"] == 0
     a, b = weights(policy(cfg, store, 2)), weights(store.load("base", base_manifest.key))
     assert any(not torch.equal(a[k], b[k]) for k in a)       # it is the trained policy, not pi_0
@@ -300,7 +300,7 @@ def test_a_foreign_checkpoint_and_a_missing_round_are_one_line(tmp_path, base_ma
         run_cell(cfg, store, base_manifest)
     assert "\n" not in str(e.value)
     (ckpt / "cell.json").write_text(json.dumps(meta))
-    shutil.rmtree(store.folder("online_train", dag.online_keys(cfg, 1)["online_train"]))
+    shutil.rmtree(store.folder("online_train", graph.online_keys(cfg, 1)["online_train"]))
     with pytest.raises(TrainingError, match=r"closes round 1, whose record .* is not in the cache: the chain is "
                                             r"missing a round") as e:
         run_cell(cfg, store, base_manifest)
@@ -311,9 +311,9 @@ def test_a_foreign_checkpoint_and_a_missing_round_are_one_line(tmp_path, base_ma
 def test_a_rank_that_cannot_see_rank_0s_artifact_says_so(tmp_path):
     """A rank (on another node) whose store lacks the round rank 0 committed: one line that
     names the store, not an AttributeError on None further on."""
-    from stages.online_cell import Cell, committed
+    from stages.online_cell import CellRun, committed
     cfg = cfg_of(**{"train.updates": 4})
-    cell = Cell(cfg, Store(str(tmp_path / "s")), None, [dag.online_keys(cfg, 0)], tmp_path / "state", None, None)
+    cell = CellRun(cfg, Store(str(tmp_path / "s")), None, [graph.online_keys(cfg, 0)], tmp_path / "state", None, None)
     with pytest.raises(TrainingError, match=r"round 0's online_pool artifact, written by rank 0, is not in the store "
                                             r"at .*every rank \(every node\) must use one store") as e:
         committed(cell, "online_pool", 0)
@@ -328,10 +328,10 @@ def test_two_gloo_ranks_match_one_process(tmp_path, base_manifest):
     cfg1 = cfg_of(**{"train.updates": 4, "train.eval_every": 2})
     one, two = store_with_base(tmp_path / "one", base_manifest), store_with_base(tmp_path / "two", base_manifest)
     run_cell(cfg1, one, base_manifest)
-    counts = run_cell(cfg1.updated({"train.nproc": 2}), two, base_manifest)
+    counts = run_cell(cfg1.updated({"train.nproc": 2}), two, base_manifest).counts
     assert (counts["engine_starts"], counts["rounds_sampled"]) == (1, 2)
     for r in range(2):
-        key = dag.online_keys(cfg1, r)["online_pool"]
+        key = graph.online_keys(cfg1, r)["online_pool"]
         cols = ["prompt_id", "response_token_ids", "reward"]
         assert pl.read_parquet(one.load("online_pool", key).path("train_pool"), columns=cols).equals(
             pl.read_parquet(two.load("online_pool", key).path("train_pool"), columns=cols))
@@ -351,8 +351,8 @@ def test_torchrun_ranks_wait_for_rank_0_on_a_cpu_group_sized_from_the_round(monk
 
     import torch.distributed as dist
 
+    from pipeline.training import distributed
     from stages import online_cell
-    from stages.train import distributed
     paper = load_config("qwen3-1.7b")
     draw = paper.online.per_draw(paper.train) * paper.rollout.group_size * paper.rollout.max_new_tokens
     assert draw == 256 * 8 * 3072

@@ -8,12 +8,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import schemas
-from pipeline.config import load_config
-from pipeline.errors import TrainingError
-from pipeline.store import MANIFEST, Store
+from pipeline.core import schemas
+from pipeline.core.config import load_config
+from pipeline.core.errors import TrainingError
+from pipeline.core.store import MANIFEST, Store
+from pipeline.training import loop
 from stages import filter as filt, rollout, train, verify
-from stages.train import loop
 
 from conftest import BIN, REPO
 

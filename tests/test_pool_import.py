@@ -16,12 +16,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pipeline import dag, schemas
 from pipeline.cli import main
-from pipeline.config import load_config
-from pipeline.hf import load_tokenizer
-from pipeline.seeding import py_random
-from pipeline.store import Store, model_path
+from pipeline.core import schemas
+from pipeline.core.config import load_config
+from pipeline.core.seeding import py_random
+from pipeline.core.store import Store, model_path
+from pipeline.dag import graph
+from pipeline.models.hf import load_tokenizer
 from stages import evaluate, pool_import, score, train
 
 from conftest import BIN, REPO
@@ -74,7 +75,7 @@ def test_example_imports_trains_three_methods_and_evaluates_through_the_cli(base
     again = ggpo("pool", "import", str(EXAMPLE), "--preset", "smoke", "--no-track")
     assert "pool_import: cache hit" in again.stdout and "train on it: ggpo stage train" in again.stdout
     cfg = load_config("smoke", {"pool.source": str(EXAMPLE)})
-    manifest = Store().load("pool_import", dag.expected_key("pool_import", cfg))
+    manifest = Store().load("pool_import", graph.expected_key("pool_import", cfg))
     s = manifest.summary
     assert (s["groups_source"], s["groups_kept"] + s["groups_all_correct"] + s["groups_all_wrong"]) == (48, 48)
     assert s["groups_kept"] == 39 and s["behavior_logprobs"] == "none" and s["rewards"] == "graded (math-verify)"
@@ -86,7 +87,7 @@ def test_example_imports_trains_three_methods_and_evaluates_through_the_cli(base
         res = ggpo(*argv)
         assert res.returncode == 0, res.stderr[-3000:]
         assert "cache hit" in ggpo(*argv).stdout
-        trained = Store().load("train", dag.expected_key("train", load_config("smoke", argv[6::2])))
+        trained = Store().load("train", graph.expected_key("train", load_config("smoke", argv[6::2])))
         orders.add(trained.summary["group_order_sha256"])
         metrics = pl.read_parquet(trained.path("metrics"))
         assert metrics["k3_mismatch"].is_null().all() and metrics["ess"].is_null().all()
@@ -108,13 +109,13 @@ def test_grpo_tis_is_refused_until_the_pool_is_scored(base_manifest, logit_scale
     assert "ggpo stage score --model PATH" in refused
     cfg = load_config("smoke", tis[1::2])       # past the preflight, the train stage refuses it too
     with pytest.raises(train.TrainingError, match="GRPO\\+TIS needs behavior log-probs"):
-        train.run(cfg, {"base": base_manifest, "pool": Store().load("pool_import", dag.expected_key("pool_import", cfg))})
-    assert Store().load("train", dag.expected_key("train", cfg)) is None
+        train.run(cfg, {"base": base_manifest, "pool": Store().load("pool_import", graph.expected_key("pool_import", cfg))})
+    assert Store().load("train", graph.expected_key("train", cfg)) is None
     model = model_path(base_manifest)
     scored = ggpo("stage", "score", "--preset", "smoke", "--no-track", "--model", model, *tis)
     assert scored.returncode == 0, scored.stderr[-3000:]
     cfg = load_config("smoke", tis[1::2] + [f"pool.score_model={model}"])
-    manifest = Store().load("score", dag.expected_key("score", cfg))
+    manifest = Store().load("score", graph.expected_key("score", cfg))
     assert manifest.summary["behavior_logprobs"] == f"scored by {model}, not sampled"
     pool = pl.read_parquet(manifest.path("train_pool"))
     assert set(pool["logprobs_mode"]) == {f"scored by {model}, not sampled"}
@@ -122,7 +123,7 @@ def test_grpo_tis_is_refused_until_the_pool_is_scored(base_manifest, logit_scale
     assert pool["behavior_logprobs"].explode().max() <= 0
     res = ggpo("stage", "train", "--preset", "smoke", "--no-track", *tis, "--model", model)
     assert res.returncode == 0, res.stderr[-3000:]
-    trained = Store().load("train", dag.expected_key("train", cfg))
+    trained = Store().load("train", graph.expected_key("train", cfg))
     assert trained.summary["pool_behavior_logprobs"] == f"scored by {model}, not sampled"
     metrics = pl.read_parquet(trained.path("metrics"))
     assert metrics["k3_mismatch"].is_not_null().all() and metrics["ess"].is_not_null().any()
@@ -157,9 +158,9 @@ def test_offline_flow_on_a_renamed_parquet_with_boolean_flags(base_manifest, tmp
     cfg = load_config("smoke", items[:2])
     first = res.stdout + res.stderr         # rollout, verify and filter never ran
     assert "pool_import-seed42" in first and not any(f"{stage}-seed" in first for stage in ("rollout", "verify", "filter"))
-    pool = Store().load("pool_import", dag.expected_key("pool_import", cfg))
+    pool = Store().load("pool_import", graph.expected_key("pool_import", cfg))
     assert pool.summary["groups_kept"] == 39 and pool.summary["reward_disagreements"] == 0
-    orders = {Store().load("train", dag.expected_key("train", cfg.updated({"train.method": m, "train.anchor": "old"})))
+    orders = {Store().load("train", graph.expected_key("train", cfg.updated({"train.method": m, "train.anchor": "old"})))
               .summary["group_order_sha256"] for m in ("grpo", "agro", "ggpo")}
     assert len(orders) == 1
     from mlflow import MlflowClient
@@ -190,14 +191,14 @@ def test_one_byte_of_the_source_rebuilds_and_its_path_does_not(tmp_path, base_ma
     assert imported(path, base_manifest)[1].cache_hit
     moved = tmp_path / "b.jsonl"
     moved.write_bytes(path.read_bytes())
-    assert dag.expected_key("pool_import", cfg.updated({"pool.source": str(moved)})) == first.key
+    assert graph.expected_key("pool_import", cfg.updated({"pool.source": str(moved)})) == first.key
     data = bytearray(path.read_bytes())
     data[data.index(b"boxed{1447889}") + 6] ^= 1          # one response's digit 1 -> 0
     path.write_bytes(bytes(data))
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))
     _, second = imported(path, base_manifest)
     assert not second.cache_hit and second.key != first.key
-    assert dag.expected_key("train", cfg) != dag.expected_key("train", cfg.updated({"pool.source": str(moved)}))
+    assert graph.expected_key("train", cfg) != graph.expected_key("train", cfg.updated({"pool.source": str(moved)}))
 
 
 def test_groups_reach_m_by_a_named_seeded_choice_and_smaller_ones_are_dropped(tmp_path, base_manifest):
@@ -242,7 +243,7 @@ def test_tokenized_as_the_trainer_with_given_logprobs_and_truncation_marked(tmp_
     cfg, m = imported(write_jsonl(tmp_path / "given.jsonl", rows), base_manifest, trust_rewards=True)
     assert m.summary["behavior_logprobs"] == "given" and m.summary["groups_kept"] == 2
     pool_rows = pl.read_parquet(m.path("train_pool")).sort(["group", "sample"])
-    from pipeline.tasks import Problem
+    from pipeline.tasks.catalog import Problem
     from stages.rollout import prompt_table
     assert pool_rows["prompt_token_ids"][0].to_list() == prompt_table([Problem("s", "312", "123")], tok)[
         "prompt_token_ids"][0]
@@ -286,7 +287,7 @@ def test_chat_prompt_is_the_template_evaluation_uses(tmp_path, base_manifest):
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     cfg = load_config("smoke", {"pool.source": str(EXAMPLE), "pool.prompt": "chat", "model.name_or_path": str(folder),
                                 "eval.prompt": "chat", "pool.trust_rewards": True})
-    base = dag.run("base", cfg, {}, Store())
+    base = graph.run("base", cfg, {}, Store())
     m = pool_import.run(cfg, {"base": base})
     tok = load_tokenizer(str(folder))
     row = pl.read_parquet(m.path("train_pool")).row(0, named=True)
@@ -331,7 +332,7 @@ def test_a_folder_saved_by_datasets_imports_and_its_fingerprint_keys_it(tmp_path
     assert m.summary["source_kind"] == "saved" and m.summary["groups_kept"] == 39
     datasets.DatasetDict({"test": ds.select(range(20))}).save_to_disk(str(tmp_path / "split"))
     small = cfg.updated({"pool.source": str(tmp_path / "split"), "pool.split": "test"})
-    assert dag.expected_key("pool_import", small) != m.key
+    assert graph.expected_key("pool_import", small) != m.key
     assert pool_import.run(small, {"base": base_manifest}).summary["source_rows"] == 20
 
 
@@ -389,7 +390,7 @@ def test_bad_source_is_one_line_naming_file_row_and_field(case, tmp_path, capsys
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"ggpo: {path}: ") and says in lines[0], lines[0]
     assert "(fix the source, or map its columns" in lines[0]
-    key = dag.expected_key("pool_import", load_config("smoke", {"pool.source": str(path)}))
+    key = graph.expected_key("pool_import", load_config("smoke", {"pool.source": str(path)}))
     assert not Store().folder("pool_import", key).exists()          # refused before any work
 
 
@@ -403,7 +404,7 @@ def test_bad_logprob_length_and_parquet_nan_are_one_line_and_nothing_is_written(
     assert f"{path}: line 2: field 'behavior_logprobs' has 5 entries for response 0, which tokenizes to 10 " \
            "tokens (11 with EOS)" in line
     cfg = load_config("smoke", {"pool.source": str(path), "rollout.group_size": 2})
-    folder = Store().folder("pool_import", dag.expected_key("pool_import", cfg))
+    folder = Store().folder("pool_import", graph.expected_key("pool_import", cfg))
     assert not (folder / "manifest.json").exists() and not (folder / "train_pool.parquet").exists()
     nan = tmp_path / "nan.parquet"
     pl.DataFrame(lp_rows([-0.1] * 10 + [float("nan")])).write_parquet(nan)

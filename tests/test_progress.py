@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from pipeline import progress
-from pipeline.engines import SamplingParams
-from pipeline.progress import Progress
+from pipeline.models.engines import SamplingParams
+from pipeline.services import progress
+from pipeline.services.progress import Progress
 
 
 @pytest.fixture
@@ -80,9 +80,9 @@ def test_artifact_keys_are_prefect_safe():
 def test_engine_reports_each_batch_and_samples_the_same(lines, tmp_path):
     """The callback counts prompts per internal batch and leaves the random stream alone
     (an untrained tiny model: sampling is all that matters here)."""
-    from pipeline import tiny_model
-    from pipeline.config import ModelConfig
-    from pipeline.engines.hf import TransformersEngine
+    from pipeline.core.config import ModelConfig
+    from pipeline.models import tiny_model
+    from pipeline.models.engines.hf import TransformersEngine
     tok = tiny_model.build_tokenizer()
     tiny_model.save(tiny_model.build_model(ModelConfig(), len(tok)), tok, tmp_path)
     engine = TransformersEngine(str(tmp_path), batch_prompts=2)
@@ -106,7 +106,7 @@ def test_prefect_run_gets_progress_and_report_artifacts(monkeypatch):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.offline import publish_report
+    from flows.common import publish_report
     monkeypatch.setenv("GGPO_PROGRESS", "lines")
     monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")     # no telemetry writes racing the test
 

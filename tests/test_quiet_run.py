@@ -41,7 +41,7 @@ def test_experiment_is_a_model_training_experiment(tmp_path):
     (MLflow's UI otherwise opens it in the GenAI view)."""
     from mlflow import MlflowClient
 
-    from pipeline import tracking
+    from pipeline.services import tracking
     c = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp_id = tracking.experiment_id(c)
     assert c.get_experiment(exp_id).tags[tracking.KIND_TAG] == "custom_model_development"

@@ -1,4 +1,4 @@
-"""Stages on Ray workers (pipeline/placement.py): the offline flow on a local Ray cluster
+"""Stages on Ray workers (pipeline/dag/placement.py): the offline flow on a local Ray cluster
 started here (`ray start --head` on 127.0.0.1, free ports, 2 CPUs: two workers) builds the
 same keys, byte-identical pools and identical weights as the threads runner, and logs the
 same MLflow runs; bad Ray settings are one line before any work.
@@ -19,8 +19,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from ray_overhead import digests, local_cluster, prefect_server, run_flow, seed_store  # noqa: E402
 
 from pipeline.cli import main  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.store import Store  # noqa: E402
+from pipeline.core.config import load_config  # noqa: E402
+from pipeline.core.store import Store  # noqa: E402
 
 # one trained method and a short evaluation: every stage runs, in few tasks
 FAST = ["experiment.methods=[ggpo]", "eval.limit=8"]
@@ -41,7 +41,7 @@ def cluster():
 def mlflow_runs(home) -> list[str]:
     from mlflow import MlflowClient
 
-    from pipeline import tracking
+    from pipeline.services import tracking
     c = MlflowClient(tracking_uri=f"sqlite:///{home / 'mlflow.db'}")
     return sorted(r.info.run_name for r in c.search_runs([tracking.experiment_id(c)], max_results=1000))
 
@@ -112,7 +112,7 @@ def test_ray_stage_settings_at_the_cli(tmp_path, monkeypatch, capsys):
 
 
 def test_stage_resources():
-    from pipeline.placement import stage_resources
+    from pipeline.dag.placement import stage_resources
     cpu = load_config("smoke", {"train.device": "cpu", "verify.workers": 3})
     assert [stage_resources(s, cpu) for s in ("rollout", "verify", "filter", "train", "evaluate")] == [
         {"num_cpus": 1}, {"num_cpus": 3}, {"num_cpus": 1}, {"num_cpus": 1}, {"num_cpus": 1}]

@@ -5,12 +5,12 @@ import polars as pl
 import pytest
 import torch
 
-from pipeline.config import load_config
-from pipeline.engines import make_engine
-from pipeline.engines.hf import weights_dtype
-from pipeline.store import Store
+from pipeline.core.config import load_config
+from pipeline.core.store import Store
+from pipeline.models.engines import make_engine
+from pipeline.models.engines.hf import weights_dtype
 from stages import filter as filt, rollout, train, verify
-from stages.base import model_path
+from stages.base_model import model_path
 
 from tolerance import rounding_tol
 

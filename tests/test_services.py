@@ -134,13 +134,13 @@ def test_online_deployment_runs_then_is_all_cache_hits(services):
 
 def test_parallel_training_in_the_flow_equals_a_sequential_build(services, tmp_path, base_manifest, pool):
     """The flow trained grpo and ggpo concurrently (threads); one at a time gives the same bytes."""
-    from pipeline import dag
-    from pipeline.config import load_config
-    from pipeline.store import Store
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
+    from pipeline.dag import graph
     from stages import train
     for method in ("grpo", "ggpo"):
         cfg = load_config("smoke", {"train.method": method})
-        in_flow = Store().load("train", dag.expected_key("train", cfg))
+        in_flow = Store().load("train", graph.expected_key("train", cfg))
         alone = train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=Store(tmp_path / method))
         assert in_flow is not None and in_flow.files["weights"].sha256 == alone.files["weights"].sha256
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import DamagedArtifact, StoreError
-from pipeline.store import MANIFEST, Manifest, Store, check_store
+from pipeline.core.errors import DamagedArtifact, StoreError
+from pipeline.core.store import MANIFEST, Manifest, Store, check_store
 from stages import filter as filt
-from stages.base import model_path
+from stages.base_model import model_path
 
 from conftest import REPO, free_port
 
@@ -93,9 +93,9 @@ def test_model_path_of_any_stage_with_weights(tmp_path):
 READER = """
 import json, sys
 import polars as pl
-from pipeline.hf import load_tokenizer
-from pipeline.store import Store
-from stages.base import model_path
+from pipeline.models.hf import load_tokenizer
+from pipeline.core.store import Store
+from stages.base_model import model_path
 store = Store()
 pool, base = store.load("filter", sys.argv[1]), store.load("base", sys.argv[2])
 print(json.dumps({"folder": pool.folder, "rows": pl.read_parquet(pool.path("train_pool")).height,

@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import dag
-from pipeline.config import load_config
-from pipeline.stage import Built, StageSpec, run_stage
-from pipeline.store import MANIFEST
+from pipeline.core.config import load_config
+from pipeline.core.store import MANIFEST
+from pipeline.dag import graph
+from pipeline.dag.spec import Built, StageSpec, run_stage
 
 
 def counting_spec(calls: list, fail: bool = False) -> StageSpec:
@@ -52,15 +52,15 @@ def test_incomplete_folder_is_never_read_and_is_rebuilt(store):
 def test_retraining_config_keeps_pool_key():
     a, b = load_config("tiny"), load_config("tiny", ["train.lr=3e-5"])
     for stage in ("base", "rollout", "verify", "filter"):
-        assert dag.expected_key(stage, a) == dag.expected_key(stage, b)
-    assert dag.expected_key("train", a) != dag.expected_key("train", b)
-    assert dag.expected_key("evaluate", a) != dag.expected_key("evaluate", b)
+        assert graph.expected_key(stage, a) == graph.expected_key(stage, b)
+    assert graph.expected_key("train", a) != graph.expected_key("train", b)
+    assert graph.expected_key("evaluate", a) != graph.expected_key("evaluate", b)
     # a new seed is a new pool, but the same base model
     c = load_config("tiny", ["seed=1234"])
-    assert dag.expected_key("base", a) == dag.expected_key("base", c)
-    assert dag.expected_key("rollout", a) != dag.expected_key("rollout", c)
+    assert graph.expected_key("base", a) == graph.expected_key("base", c)
+    assert graph.expected_key("rollout", a) != graph.expected_key("rollout", c)
 
 
 def test_missing_input_names_stage_and_command(store):
-    with pytest.raises(dag.MissingInput, match=r"(?s)input 'pool' from stage 'filter'.*`ggpo stage filter --preset smoke"):
-        dag.cached_inputs("train", load_config("smoke"), store, "smoke")
+    with pytest.raises(graph.MissingInput, match=r"(?s)input 'pool' from stage 'filter'.*`ggpo stage filter --preset smoke"):
+        graph.cached_inputs("train", load_config("smoke"), store, "smoke")

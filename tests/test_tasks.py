@@ -4,11 +4,11 @@ import json
 import polars as pl
 import pytest
 
-from pipeline import tasks
-from pipeline.config import TaskConfig, load_config
-from pipeline.errors import DatasetError
-from pipeline.store import MANIFEST
-from pipeline.tasks import load_file, splits
+from pipeline.core.config import TaskConfig, load_config
+from pipeline.core.errors import DatasetError
+from pipeline.core.store import MANIFEST
+from pipeline.tasks import catalog
+from pipeline.tasks.catalog import load_file, splits
 
 
 @pytest.mark.parametrize("name", ["digit_sort", "arithmetic", "countdown"])
@@ -45,7 +45,7 @@ def test_unusable_rows_are_skipped_and_counted_up_to_one_percent(tmp_path):
     pl.DataFrame({"id": [f"q{i}" for i in range(200)], "problem": [f"{i}+0" for i in range(200)],
                   "answer": answers}).write_parquet(path)
     assert [p.id for p in load_file(path)] == [f"q{i}" for i in range(200) if i not in (57, 130)]
-    report = tasks.file_report(TaskConfig(name=str(path)))
+    report = catalog.file_report(TaskConfig(name=str(path)))
     assert report == {"task_rows": 200, "task_rows_skipped": 2, "task_rows_skipped_ids": "q57, q130"}
     bad = tmp_path / "bad.parquet"
     pl.DataFrame({"problem": ["1+1", "2+2", "3+3"], "answer": ["2", None, "6"]}).write_parquet(bad)
@@ -55,7 +55,7 @@ def test_unusable_rows_are_skipped_and_counted_up_to_one_percent(tmp_path):
 
 
 def test_the_shipped_math_train_file_skips_its_two_empty_answers():
-    report = tasks.file_report(TaskConfig(name="data/benchmarks/math_train.parquet"))
+    report = catalog.file_report(TaskConfig(name="data/benchmarks/math_train.parquet"))
     assert (report["task_rows"], report["task_rows_skipped"]) == (12000, 2)
     assert report["task_rows_skipped_ids"] == "train/number_theory/7115.json, train/number_theory/7117.json"
 
@@ -69,7 +69,7 @@ def test_missing_column_names_file_and_column(tmp_path):
 
 def test_bad_dataset_writes_nothing(tmp_path, base_manifest):
     """The rollout stage fails before writing: no manifest, no Parquet."""
-    from pipeline.store import Store
+    from pipeline.core.store import Store
     from stages import rollout
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n" + json.dumps({"problem": "", "answer": "3"}))

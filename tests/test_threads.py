@@ -1,9 +1,9 @@
 """Stages run in threads inside a flow: concurrent model loads must not interfere."""
 from concurrent.futures import ThreadPoolExecutor
 
-from pipeline.engines import SamplingParams
-from pipeline.engines.hf import TransformersEngine
-from stages.base import model_path
+from pipeline.models.engines import SamplingParams
+from pipeline.models.engines.hf import TransformersEngine
+from stages.base_model import model_path
 
 
 def test_concurrent_engines_sample_like_sequential_ones(base_manifest):

@@ -6,12 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline import dag
-from pipeline.config import ConfigError, load_config
-from pipeline.errors import NonFiniteUpdate, TrainingError
-from pipeline.store import MANIFEST, Store
+from pipeline.core.config import ConfigError, load_config
+from pipeline.core.errors import NonFiniteUpdate, TrainingError
+from pipeline.core.store import MANIFEST, Store
+from pipeline.dag import graph
+from pipeline.training import checkpoint, loop
 from stages import train
-from stages.train import checkpoint, loop
 
 from conftest import BIN, REPO, sigkill_after_checkpoint
 from tolerance import rounding_tol
@@ -26,7 +26,7 @@ def test_sigkill_then_rerun_resumes_bit_exact(tmp_path, base_manifest, pool):
     argv = [str(BIN / "ggpo"), "stage", "train", "--preset", "smoke", "--no-track"]
     for item in KILL_CFG:
         argv += ["--set", item]
-    folder = Store().folder("train", dag.expected_key("train", cfg))
+    folder = Store().folder("train", graph.expected_key("train", cfg))
     sigkill_after_checkpoint(argv, folder / "checkpoints", 2, 12)
     assert not (folder / MANIFEST).exists()
     resumed = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -57,7 +57,7 @@ def test_non_finite_update_stops_with_update_and_method(tmp_path, base_manifest,
     store = Store(tmp_path)
     with pytest.raises(NonFiniteUpdate, match=r"update 5 \(method agro\): non-finite"):
         train.run(cfg, {"base": base_manifest, "pool": pool[2]}, store=store)
-    state = checkpoint.load(store.folder("train", dag.expected_key("train", cfg)) / "checkpoints")
+    state = checkpoint.load(store.folder("train", graph.expected_key("train", cfg)) / "checkpoints")
     assert state["update"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
 
 
@@ -67,10 +67,15 @@ def test_pool_without_behavior_logprobs(tmp_path, pool):
                              .otherwise(pl.col("behavior_logprobs")).alias("behavior_logprobs"))
     path = tmp_path / "pool.parquet"
     broken.write_parquet(path)
-    with pytest.raises(TrainingError, match=r"pool\.parquet: row \(group \d+, sample 3\) has no behavior_logprobs"):
-        loop.load_pool(path, 8, need_behavior=True)
-    loaded = loop.load_pool(path, 8, need_behavior=False)        # AGRO / GGPO never read them
-    assert len(loaded.lp_beh[0][3]) == len(loaded.responses[0][3])
+    for method in ("grpo_tis", "grpo"):       # importance weights; the behavior anchor
+        with pytest.raises(TrainingError, match=rf"pool\.parquet: column behavior_logprobs is empty in row \(group \d+, "
+                                                rf"sample 3\) and 0 more, but train.method={method} \(.*\) reads it$"):
+            loop.load_pool(path, 8, load_config("smoke", [f"train.method={method}"]).train)
+    for sets in (["train.method=ggpo"], ["train.method=agro"], ["train.method=grpo", "train.anchor=old"]):
+        loaded = loop.load_pool(path, 8, load_config("smoke", sets).train)     # never read them
+        assert loaded.lp_beh is None and not loaded.has_behavior              # and never get zeros
+        with pytest.raises(TrainingError, match="no behavior log-probs"):
+            loaded.behavior(0)
     assert load_config("smoke", ["train.method=grpo_tis"]).train.needs_behavior_logprobs()
     assert not load_config("smoke", ["train.method=ggpo"]).train.needs_behavior_logprobs()
 

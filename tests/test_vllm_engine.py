@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipeline.config import ConfigError
-from pipeline.engines import Completion, SamplingParams, make_engine, vllm_engine as ve
+from pipeline.core.config import ConfigError
+from pipeline.models.engines import Completion, SamplingParams, make_engine, vllm_engine as ve
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -158,7 +158,7 @@ def _gpu_ready() -> bool:
 @pytest.mark.skipif(not (_gpu_ready() and os.environ.get("GGPO_TEST_MODEL")),
                     reason="needs vLLM, CUDA and GGPO_TEST_MODEL=<local HF model folder>")
 def test_vllm_generates_with_finite_logprobs():
-    from pipeline.config import load_config
+    from pipeline.core.config import load_config
     rc = load_config("tiny", {"rollout.engine": "vllm", "rollout.data_parallel": 1,
                               "rollout.gpu_memory_utilization": 0.5}).rollout
     engine = make_engine("vllm", os.environ["GGPO_TEST_MODEL"], 64, 1, rollout_cfg=rc)
@@ -181,7 +181,7 @@ def test_vllm_generates_with_finite_logprobs():
 def test_a_failing_shard_process_is_reported_with_its_gpus(tmp_path):
     """The real spawn/pipe path: each shard process starts, cannot build its engine (no
     vLLM here) and the parent raises naming the shard, its GPUs and the child's error."""
-    from pipeline.tiny_model import build_tokenizer
+    from pipeline.models.tiny_model import build_tokenizer
     build_tokenizer().save_pretrained(tmp_path)
     with pytest.raises(RuntimeError, match=r"(?s)vLLM shard 0 on CUDA_VISIBLE_DEVICES=3 failed.*No module named 'vllm'"):
         ve.VLLMEngine(str(tmp_path), data_parallel=2, gpu_ids=["3", "5"])
@@ -216,7 +216,7 @@ class LLM:
 
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed here")
 def test_sharded_engine_merges_in_prompt_order_and_stops_its_processes(tmp_path, monkeypatch):
-    from pipeline.tiny_model import build_tokenizer
+    from pipeline.models.tiny_model import build_tokenizer
     model = tmp_path / "model"
     build_tokenizer().save_pretrained(model)
     (tmp_path / "vllm").mkdir()
@@ -252,9 +252,9 @@ def test_a_resident_sampler_is_one_engine_on_the_learners_gpu(tmp_path, monkeypa
     shard over every GPU."""
     import torch
 
-    import pipeline.engines as engines
-    import pipeline.runtime as runtime
-    from pipeline.config import load_config
+    import pipeline.models.engines as engines
+    import pipeline.models.runtime as runtime
+    from pipeline.core.config import load_config
     made = []
     monkeypatch.setattr(engines, "check_vllm", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)     # a CUDA host (else: vLLM's CPU build)
@@ -273,8 +273,8 @@ def test_a_resident_sampler_is_one_engine_on_the_learners_gpu(tmp_path, monkeypa
 
 def _tiny_folder(folder) -> str:
     """The built-in tiny model, untrained (tied embeddings; lm_head.weight not stored)."""
-    from pipeline.config import ModelConfig
-    from pipeline.tiny_model import build_model, build_tokenizer, save
+    from pipeline.core.config import ModelConfig
+    from pipeline.models.tiny_model import build_model, build_tokenizer, save
     tok = build_tokenizer()
     save(build_model(ModelConfig(), len(tok)), tok, folder)
     return str(folder)
@@ -320,7 +320,7 @@ def test_a_qwen3_layout_checkpoint_syncs_with_its_tied_head(tmp_path, monkeypatc
     from a file), then resets the prefix cache. The real engine: tests/test_vllm_real.py."""
     from pathlib import Path
 
-    from pipeline.hf import load_model
+    from pipeline.models.hf import load_model
 
     from conftest import write_qwen3_layout
 
@@ -347,7 +347,7 @@ def test_a_qwen3_layout_checkpoint_syncs_with_its_tied_head(tmp_path, monkeypatc
 def test_a_tied_model_whose_checkpoint_omits_the_head_is_sent_the_head_too(tmp_path, monkeypatch):
     """The built-in tiny model's checkpoint omits the tied head; vLLM's CPU reload keeps a
     head it is not sent (the probe in tests/test_vllm_real.py), so it is sent anyway."""
-    from pipeline.hf import load_model
+    from pipeline.models.hf import load_model
     folder = _tiny_folder(tmp_path / "tiny")
     assert "lm_head.weight" not in ve.checkpoint_shapes(folder)
     monkeypatch.setattr(ve, "build_llm", lambda path, kwargs: SyncRecorder())
@@ -365,7 +365,7 @@ def test_an_engine_of_the_cpu_build_runs_eager_in_fp32_with_an_explicit_kv_cache
     """vLLM's CPU build: dtype auto = float32, eager, CPU_KV_CACHE_BYTES of KV cache (its
     gpu_memory_utilization would reserve that share of the machine's memory), no sleep mode
     or CUDA weight transfer for a resident engine; one engine per process (tp 1)."""
-    from pipeline.config import load_config
+    from pipeline.core.config import load_config
     folder = _tiny_folder(tmp_path / "tiny")
     made = []
     monkeypatch.setattr(ve, "build_llm", lambda path, kwargs: made.append(kwargs) or SyncRecorder())
@@ -421,7 +421,7 @@ class LLM(_Base):
 def test_shard_processes_reset_their_prefix_cache_after_a_sync(tmp_path, monkeypatch):
     """Finding 2.4: a sync reloads the weights in every shard process; the prompt states
     those cached before it came from the old weights and must not serve the next round."""
-    from pipeline.hf import load_model
+    from pipeline.models.hf import load_model
     folder = _tiny_folder(tmp_path / "tiny")
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text(FAKE_VLLM_PREFIX_CACHE)

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.engines import vllm_engine as ve
+from pipeline.models.engines import vllm_engine as ve
 
 if not (ve.cpu_build() and not torch.cuda.is_available()):
     pytest.skip("needs vLLM's CPU build on a machine without CUDA (make install VLLM=cpu: .venv-vllm)",
@@ -39,16 +39,17 @@ if not (ve.cpu_build() and not torch.cuda.is_available()):
 
 import psutil  # noqa: E402 - vLLM's dependency, absent from the main .venv
 
-from pipeline import dag, tasks  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.engines import SamplingParams, make_engine, stop_token_ids  # noqa: E402
-from pipeline.errors import ConfigError  # noqa: E402
-from pipeline.hf import load_model  # noqa: E402
-from pipeline.runtime import make_runtime  # noqa: E402
-from pipeline.store import Store  # noqa: E402
-from stages.base import model_path  # noqa: E402
-from stages.train.loop import policy_logprobs  # noqa: E402
-from stages.train.policy import make_batch  # noqa: E402
+from pipeline.core.config import load_config  # noqa: E402
+from pipeline.core.errors import ConfigError  # noqa: E402
+from pipeline.core.store import Store  # noqa: E402
+from pipeline.dag import graph
+from pipeline.models.engines import SamplingParams, make_engine, stop_token_ids  # noqa: E402
+from pipeline.models.hf import load_model  # noqa: E402
+from pipeline.models.runtime import make_runtime  # noqa: E402
+from pipeline.tasks import catalog  # noqa: E402
+from pipeline.training.loop import policy_logprobs  # noqa: E402
+from pipeline.training.policy import make_batch  # noqa: E402
+from stages.base_model import model_path  # noqa: E402
 
 from conftest import BIN, REPO, write_qwen3_layout  # noqa: E402
 from tolerance import rounding_tol  # noqa: E402
@@ -103,9 +104,9 @@ def probe_prompts(engine) -> list[str]:
     that vLLM's prefix cache keeps their states between calls (it caches whole blocks)."""
     block = engine.llm.llm_engine.vllm_config.cache_config.block_size
     digits = "".join(str((7 * i + 3) % 10) for i in range(2 * block + 8))
-    long_a, long_b = tasks.format_prompt(digits), tasks.format_prompt(digits[::-1])
+    long_a, long_b = catalog.format_prompt(digits), catalog.format_prompt(digits[::-1])
     assert min(len(engine.tokenizer(p)["input_ids"]) for p in (long_a, long_b)) >= 2 * block
-    short = [tasks.format_prompt(p.problem) for p in tasks.splits(load_config("smoke").task)["train"][:2]]
+    short = [catalog.format_prompt(p.problem) for p in catalog.splits(load_config("smoke").task)["train"][:2]]
     return [long_a, short[0], long_b, short[1]]        # a long one in each half (two shards)
 
 
@@ -176,7 +177,7 @@ def test_the_engine_is_vllms_cpu_build_in_fp32(engine, qwen3_layout):
 
 
 def test_same_seed_same_completions_and_n_samples_per_prompt(engine):
-    prompts = [tasks.format_prompt(p.problem) for p in tasks.splits(load_config("smoke").task)["train"][:6]]
+    prompts = [catalog.format_prompt(p.problem) for p in catalog.splits(load_config("smoke").task)["train"][:6]]
     params = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_new_tokens=20, seed=11)
     first, again = engine.generate(prompts, params), engine.generate(prompts, params)
     assert [len(g) for g in first] == [8] * 6
@@ -190,7 +191,7 @@ def test_same_seed_same_completions_and_n_samples_per_prompt(engine):
 def test_stop_ids_end_sequences_as_in_the_transformers_engine(engine, qwen3_layout, tmp_path):
     """The tokenizer's EOS plus generation_config.json's list: here "3" is made a stop id
     too, so both engines must end responses at their first "3" or EOS, keeping it."""
-    from pipeline.engines.hf import TransformersEngine
+    from pipeline.models.engines.hf import TransformersEngine
     folder = tmp_path / "model"
     shutil.copytree(qwen3_layout, folder)
     three = engine.tokenizer.convert_tokens_to_ids("3")
@@ -199,7 +200,7 @@ def test_stop_ids_end_sequences_as_in_the_transformers_engine(engine, qwen3_layo
     stops = stop_token_ids(str(folder), engine.tokenizer)
     hf = TransformersEngine(str(folder), batch_prompts=64)
     assert stops == hf.stop_ids == sorted({engine.tokenizer.eos_token_id, three})
-    prompts = [tasks.format_prompt(p.problem) for p in tasks.splits(load_config("smoke").task)["train"][:16]]
+    prompts = [catalog.format_prompt(p.problem) for p in catalog.splits(load_config("smoke").task)["train"][:16]]
     params = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_new_tokens=20, seed=3)
     saved, engine.stop_ids = engine.stop_ids, stops      # the same weights and tokenizer; this folder's stops
     try:
@@ -212,7 +213,7 @@ def test_stop_ids_end_sequences_as_in_the_transformers_engine(engine, qwen3_layo
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behavior_logprobs_equal_the_trainers_fp32_logprobs(engine, base_model, temperature):
-    prompts = [tasks.format_prompt(p.problem) for p in tasks.splits(load_config("smoke").task)["train"][:16]]
+    prompts = [catalog.format_prompt(p.problem) for p in catalog.splits(load_config("smoke").task)["train"][:16]]
     r = compare(engine, base_model, prompts, SamplingParams(n=8, temperature=temperature, top_p=1.0,
                                                             max_new_tokens=20, seed=1))
     print(f"\nvLLM vs trainer log-probs at T={temperature}: max {r['max']:.3g}, mean {r['mean']:.3g} "
@@ -233,7 +234,7 @@ def test_evaluation_asks_for_no_logprobs(engine):
 
 
 def test_top_p_below_one_is_refused_where_behavior_logprobs_are_used():
-    from pipeline.preflight import check_engine, check_sampling
+    from pipeline.dag.preflight import check_engine, check_sampling
     check_engine(load_config("smoke", VLLM_SET))             # the CPU build passes preflight
     with pytest.raises(ConfigError, match=r"rollout.top_p=0.9 with train.method=grpo_tis"):
         check_sampling(load_config("smoke", VLLM_SET | {"rollout.top_p": 0.9, "train.method": "grpo_tis"}))
@@ -289,7 +290,7 @@ def test_in_place_sync_of_a_qwen3_layout_checkpoint(engine, qwen3_layout, base_m
 
 
 def test_a_learner_of_another_shape_is_refused_before_the_engine_sees_it(engine, base_model):
-    from pipeline.errors import WeightSyncError
+    from pipeline.core.errors import WeightSyncError
     named = list(base_model.named_parameters())
     with pytest.raises(WeightSyncError, match=rf"1 missing \(e\.g\. {named[-1][0]}\)"):
         engine.load_weights(named[:-1])
@@ -337,7 +338,7 @@ def test_offline_flow_with_vllm_end_to_end(base_manifest, tmp_path):
     assert "MLflow parent run" in res.stdout
     cfg = load_config("smoke", {"rollout.engine": "vllm", "train.method": "grpo_tis"})
     store = Store()
-    roll = store.load("rollout", dag.expected_key("rollout", cfg))
+    roll = store.load("rollout", graph.expected_key("rollout", cfg))
     s = roll.summary
     assert s["engine"] == "vllm" and s["logprobs_mode"] == "processed_logprobs"
     rows = pl.read_parquet(roll.path("rollouts"))
@@ -347,10 +348,10 @@ def test_offline_flow_with_vllm_end_to_end(base_manifest, tmp_path):
     print(f"pool mismatch: K3 {s['mismatch_k3']:.3g}, |log ratio| {s['mismatch_abs_log_ratio']:.3g} "
           f"on {s['mismatch_responses']} responses (bound {bound:.3g})")
     assert s["mismatch_abs_log_ratio"] <= bound and s["mismatch_k3"] <= bound ** 2
-    train = store.load("train", dag.expected_key("train", cfg))
+    train = store.load("train", graph.expected_key("train", cfg))
     first = pl.read_parquet(train.path("metrics")).sort("update").row(0, named=True)
     assert first["abs_log_ratio"] <= bound and first["k3_mismatch"] <= bound ** 2, first
-    final = store.load("evaluate", dag.expected_key("evaluate", cfg))
+    final = store.load("evaluate", graph.expected_key("evaluate", cfg))
     assert (final.summary["model"], final.summary["update"]) == ("train", cfg.train.updates)
     assert pl.read_parquet(final.path("samples")).height == cfg.eval.limit * cfg.eval.n_samples
 
@@ -406,7 +407,7 @@ def test_online_cell_with_a_resident_vllm_engine(base_manifest, base_dir, engine
                                        "train.updates_per_step": 2, "train.eval_every": None, "train.lr": 1e-3})
     shutil.copytree(base_manifest.folder, tmp_path / "cache" / Path(base_manifest.folder).name)
     store = Store(tmp_path / "cache")
-    counts = online_cell.run_cell(cfg, store, base_manifest)
+    counts = online_cell.run_cell(cfg, store, base_manifest).counts
     assert counts["engine_starts"] == 1 and counts["rounds_sampled"] == 3 and len(made) == 1
     syncs, draws = made[0].syncs, made[0].draws
     for k, r in enumerate(syncs):
@@ -417,5 +418,5 @@ def test_online_cell_with_a_resident_vllm_engine(base_manifest, base_dir, engine
     assert draws and all(d["max"] <= d["bound"] for d in draws)
     bound = max(d["bound"] for d in draws)
     for r in range(3):
-        s = store.load("online_train", dag.online_keys(cfg, r)["online_train"]).summary
+        s = store.load("online_train", graph.online_keys(cfg, r)["online_train"]).summary
         assert s["max_abs_log_ratio_first"] <= bound and s["k3_mismatch_first"] <= bound ** 2, s

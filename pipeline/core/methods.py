@@ -1,0 +1,98 @@
+"""One record per training method: what config, preflight, the pool checks and the trainer
+need to know about it, in one torch-free table.
+
+A method is a loss function (`pipeline/training/losses.py`, signature `fn(inputs, cfg) ->
+(loss, metrics)`) plus one `Method` entry here. Everything else reads the entry:
+
+- config: `train.method` must name an entry; `train.beta > 0` when `needs_beta`; the
+  default `train.t_ref` is `default_t_ref`; `train.ggpo_clip_delta` only where `clip_delta`;
+- preflight and the train stage: a pool without behavior log-probs, or `rollout.top_p < 1`,
+  is refused for a method that needs them (`needs_lp_beh`, or `uses_anchor` with
+  `train.anchor=behavior`), in one line naming the file, the column and the method;
+- the trainer: the step anchor lp_old is computed at step starts when `needs_lp_old`, or
+  `uses_anchor` with `train.anchor=old`, or the clip variant is on; the loss is `loss`.
+
+Adding a method outside this repository: a module that calls `register_method(Method(...))`
+at import, its loss function named by `loss="package.module:function"`, and the module's
+name in the environment variable `GGPO_PLUGINS` (comma-separated), which every ggpo process
+(CLI, flows, torchrun ranks, Ray workers: they inherit the environment) imports the first
+time it looks a method up. docs/math.md has the losses; tests/test_methods.py trains a toy
+method registered this way through `ggpo stage train`.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+
+PLUGINS_ENV = "GGPO_PLUGINS"
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str                      # the value of train.method
+    title: str                     # how messages name it ("GRPO+TIS")
+    loss: str                      # "module:function", the loss (imported by the trainer only)
+    needs_lp_beh: bool = False     # always reads behavior log-probs (the pool's behavior_logprobs)
+    needs_lp_old: bool = False     # always reads the step anchor lp_old (recomputed at step starts)
+    uses_anchor: bool = False      # its ratio is anchored at train.anchor: lp_beh (behavior) or lp_old (old)
+    clip_delta: bool = False       # accepts train.ggpo_clip_delta (then it reads lp_old)
+    needs_beta: bool = False       # divides by train.beta: beta must be > 0
+    default_t_ref: int | None = None   # train.t_ref="default": refresh every this many updates; None = fixed
+
+    def needs_behavior(self, anchor: str) -> bool:
+        """Behavior log-probs under `train.anchor=anchor`."""
+        return self.needs_lp_beh or (self.uses_anchor and anchor == "behavior")
+
+    def needs_step_anchor(self, anchor: str, clip_delta: float | None) -> bool:
+        """lp_old at step starts under `train.anchor` and `train.ggpo_clip_delta`."""
+        return self.needs_lp_old or (self.uses_anchor and anchor == "old") or (self.clip_delta and clip_delta is not None)
+
+
+LOSS_MODULE = "pipeline.training.losses"
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("grpo", "GRPO", f"{LOSS_MODULE}:grpo_loss", uses_anchor=True),
+    Method("grpo_tis", "GRPO+TIS", f"{LOSS_MODULE}:grpo_tis_loss", needs_lp_beh=True, needs_lp_old=True),
+    Method("agro", "AGRO", f"{LOSS_MODULE}:agro_loss", needs_beta=True, default_t_ref=160),
+    Method("ggpo", "GGPO", f"{LOSS_MODULE}:ggpo_loss", clip_delta=True, needs_beta=True, default_t_ref=160),
+)}
+BUILT_IN = tuple(METHODS)
+_loaded: set[str] = set()
+
+
+def register_method(method: Method) -> Method:
+    """Add a method to the table (a plugin module calls this at import). Re-registering the
+    same record is a no-op; another record under a taken name is refused."""
+    if ":" not in method.loss:
+        raise ValueError(f"method '{method.name}': loss must be 'module:function', got '{method.loss}'")
+    known = METHODS.get(method.name)
+    if known is not None and known != method:
+        raise ValueError(f"method '{method.name}' is already registered ({known.loss})")
+    METHODS[method.name] = method
+    return method
+
+
+def load_plugins() -> None:
+    """Import the modules named in $GGPO_PLUGINS (once each); they register their methods."""
+    for name in filter(None, (n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(","))):
+        if name not in _loaded:
+            _loaded.add(name)
+            try:
+                importlib.import_module(name)
+            except ImportError as exc:
+                _loaded.discard(name)
+                raise ValueError(f"{PLUGINS_ENV}: cannot import plugin module '{name}': {exc}") from None
+
+
+def names() -> tuple[str, ...]:
+    """Every method name, plugins included."""
+    load_plugins()
+    return tuple(METHODS)
+
+
+def get(name: str) -> Method:
+    """The record of train.method `name`; ValueError naming the field and the known methods."""
+    load_plugins()
+    if name not in METHODS:
+        raise ValueError(f"train.method: unknown '{name}'; known: {', '.join(sorted(METHODS))}")
+    return METHODS[name]

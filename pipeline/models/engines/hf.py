@@ -1,0 +1,181 @@
+"""Transformers rollout engine: a plain sampling loop over a KV cache.
+
+Our own loop rather than `generate()` so that the sampled token's log-prob is read from
+the exact distribution it was drawn from, the random stream is an explicit seeded
+`torch.Generator`, and left-padded prompts get explicit position ids (so the result equals
+a right-padded teacher-forced recompute to ~1e-6, which a test checks). Rows that have
+stopped leave the batch (`_worth_shrinking`), and the draw does not depend on when they do
+(`_draw`), so a batch costs the tokens its rows produce.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+from pipeline.core import interrupt
+from pipeline.models.engines.base import LOGPROBS_MODE, Completion, SamplingParams, check_weights, stop_token_ids
+from pipeline.models.hf import load_model, load_tokenizer
+from pipeline.models.runtime import resolve_device
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero the tail outside the smallest set with mass >= top_p. probs: [B, V]."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    outside = sorted_p.cumsum(-1) - sorted_p > top_p
+    sorted_p = sorted_p.masked_fill(outside, 0.0)
+    return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+
+
+def _cache_kwarg(model) -> str:
+    # transformers >= 5.2x renames past_key_values to cache; older releases only know the former
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _last_logits_kwargs(model) -> dict:
+    """Only the last position's logits: sampling reads nothing else, and the prefill would
+    otherwise build [B, L, V] logits for every prompt position (at Qwen3's V = 151,936 and
+    64 prompts of 500 tokens, 19 GB in bf16). transformers' causal LMs take
+    `logits_to_keep` (an int keeps that many last positions); a model without it gets none."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
+def weights_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """rollout.dtype -> the engine's weight dtype. "auto": bf16 on a GPU (as vLLM's default),
+    fp32 on CPU (so the CPU pool matches the fp32 trainer exactly). Log-probs are computed
+    in fp32 from the logits whatever this is."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    known = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype not in known:
+        raise ValueError(f"rollout.dtype '{dtype}' is not one of auto, float32, bfloat16")
+    return known[dtype]
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, live: torch.Tensor,
+          rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(next token [b], log-probs [b, V]) for the b rows still in a batch of `rows`; `live` [b]:
+    their original rows. Greedy at temperature 0 (log-probs then at temperature 1).
+
+    The draw is torch.multinomial's own (its one-sample path takes argmax(p / q), q ~ Exp(1)
+    drawn over the whole [rows, V] tensor), with the noise drawn for every original row, so
+    each row's token is the one it got when finished rows stayed in the batch: the random
+    stream, and so the pool, does not depend on when rows leave."""
+    if params.temperature == 0:
+        return logits.argmax(-1), torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits / params.temperature, dim=-1)
+    probs = top_p_filter(logp.exp(), params.top_p)
+    noise = torch.empty((rows, probs.shape[1]), dtype=probs.dtype, device=probs.device).exponential_(generator=gen)
+    return (probs / noise[live]).argmax(-1), logp
+
+
+def _worth_shrinking(done: torch.Tensor) -> bool:
+    """Drop the finished rows once they are a quarter of the batch: each drop copies the KV
+    cache, so dropping at every finished row costs much of what it saves; at a quarter the
+    batch shrinks geometrically and at most a quarter of a step's rows are wasted. Measured on
+    the tiny model (512 rows, 24 new tokens, bf16): a draw costs 0.74x keeping every row to the
+    end, 0.80x at a tenth, 0.88x at every finished row."""
+    return 4 * int(done.sum()) >= done.numel()
+
+
+class TransformersEngine:
+    name = "transformers"
+    logprobs_mode = LOGPROBS_MODE
+
+    def __init__(self, model_path: str, batch_prompts: int = 64, threads: int = 1, model=None,
+                 device: str = "auto", dtype: str = "auto"):
+        torch.set_num_threads(threads)
+        self.device = resolve_device(device)
+        self.tokenizer = load_tokenizer(model_path)
+        self.dtype = weights_dtype(dtype, self.device)
+        self.model = model if model is not None else load_model(model_path, self.dtype).to(self.device)
+        self.batch_prompts = batch_prompts
+        self.stop_ids = stop_token_ids(model_path, self.tokenizer)     # the same ids vLLM stops on
+
+    def generate(self, prompts: list[str], params: SamplingParams,
+                 progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
+        """progress, if given, is called after each internal batch with the number of prompts
+        it finished; it only observes, so the batches and the random stream stay the same."""
+        gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        out: list[list[Completion]] = []
+        for start in range(0, len(prompts), self.batch_prompts):
+            batch = prompts[start:start + self.batch_prompts]
+            flat = self._sample([p for p in batch for _ in range(params.n)], params, gen)
+            out.extend(flat[i * params.n:(i + 1) * params.n] for i in range(len(batch)))
+            if progress is not None:
+                progress(len(batch))
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """The learner's parameters copied into the engine's model in place, cast to the
+        engine's dtype (buffers such as the rotary frequencies are the model's own)."""
+        params = dict(self.model.named_parameters())
+        check_weights([(n, tuple(t.shape)) for n, t in named], {n: tuple(p.shape) for n, p in params.items()},
+                      "transformers")
+        for name, tensor in named:
+            params[name].data.copy_(tensor.detach())
+
+    def sleep(self) -> None:
+        """Nothing to hand back: the engine's copy of the weights is small next to the
+        learner's and stays (torch.cuda.empty_cache by the caller frees the rest)."""
+
+    def wake(self) -> None:
+        pass
+
+    @torch.no_grad()
+    def _sample(self, prompts: list[str], params: SamplingParams, gen: torch.Generator) -> list[Completion]:
+        """One batch of rows decoded together; a row leaves the batch once it has sampled a
+        stop token (`_shrink`), so a batch costs the tokens its rows produce, not rows x the
+        longest row. The draws do not depend on which rows are still in the batch (`_draw`)."""
+        tok, model, dev = self.tokenizer, self.model, self.device
+        model.eval()
+        ids = [tok(p)["input_ids"] for p in prompts]
+        rows, width, steps = len(ids), max(map(len, ids)), params.max_new_tokens
+        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
+        # the mask of every step allocated once (prompt part, then ones for the new tokens), read
+        # through a growing slice: no torch.cat per step
+        attn = torch.ones((rows, width + steps), dtype=torch.long, device=dev)
+        attn[:, :width] = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
+        step_pos = (attn[:, :width].cumsum(-1) - 1).clamp(min=0)
+        stops = torch.tensor(self.stop_ids, device=dev)
+        tokens = torch.full((rows, steps), tok.pad_token_id, dtype=torch.long, device=dev)
+        logps = torch.zeros((rows, steps), device=dev)
+        live = torch.arange(rows, device=dev)       # the original row of each row still in the batch
+        past, step_ids, done = None, input_ids, torch.zeros(rows, dtype=torch.bool, device=dev)
+        cache_kw, last_only = _cache_kwarg(model), _last_logits_kwargs(model)
+        t = 0
+        for t in range(steps):
+            interrupt.check("generation")        # a safe point: nothing of this batch is kept
+            res = model(input_ids=step_ids, attention_mask=attn[:, :width + t], position_ids=step_pos,
+                        use_cache=True, **{cache_kw: past}, **last_only)
+            nxt, logp = _draw(res.logits[:, -1, :].float(), params, gen, live, rows)
+            nxt = torch.where(done, torch.full_like(nxt, tok.pad_token_id), nxt)
+            tokens[live, t], logps[live, t] = nxt, logp.gather(1, nxt[:, None]).squeeze(1)
+            done = done | torch.isin(nxt, stops)
+            if bool(done.all()):
+                break
+            past = getattr(res, "cache", None) or res.past_key_values
+            step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
+            if _worth_shrinking(done):
+                keep = (~done).nonzero().squeeze(1)
+                past.batch_select_indices(keep)
+                live, attn, step_ids, step_pos, done = live[keep], attn[keep], step_ids[keep], step_pos[keep], done[keep]
+        return self._completions(tokens[:, :t + 1], logps[:, :t + 1], set(stops.tolist()), params.logprobs)
+
+    def _completions(self, tokens: torch.Tensor, logps: torch.Tensor, stops: set[int],
+                     with_logprobs: bool = True) -> list[Completion]:
+        """Each row cut after its first stop token (kept, finish "stop"), else "length"."""
+        result = []
+        for row_t, row_lp in zip(tokens.tolist(), logps.tolist()):
+            end = next((i + 1 for i, t in enumerate(row_t) if t in stops), None)
+            n = end or len(row_t)
+            result.append(Completion(
+                token_ids=row_t[:n], logprobs=row_lp[:n] if with_logprobs else [],
+                finish_reason="stop" if end else "length",
+                text=self.tokenizer.decode(row_t[:n], skip_special_tokens=True)))
+        return result
