@@ -653,10 +653,10 @@ def main() -> None:
     faults = [f for f in FAULTS if f in args.faults.split(",")]
     work = Path(tempfile.mkdtemp(prefix="ggpo-fault-matrix-"))
     os.environ["GGPO_CACHE"] = str(work / "cache")
-    from pipeline.config import load_config
-    from stages import base
+    from pipeline.core.config import load_config
+    from stages import base_model
     t0, load0 = time.monotonic(), os.getloadavg()[0]
-    base_folder = Path(base.run(load_config("smoke")).folder)
+    base_folder = Path(base_model.run(load_config("smoke")).folder)
     shell = Shell(work / "home", work / "cache")
     shell.up()
     matrix = Matrix(shell, base_folder, work / "cells", args.disk)

@@ -115,14 +115,12 @@ def test_table(matrix):
     assert text.count("\n") == 1 + len(collected(matrix))
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="pipeline/grading.py (_watch) takes a worker that died "
-                   "before it was ready for a worker that cannot start, and fails every waiting call (docs/faults.md)")
 def test_a_grading_worker_killed_while_it_warms_up_is_replaced():
     """The cell the matrix leaves out: a grading worker SIGKILLed before it is ready (the OOM
-    killer while math-verify imports). Like one killed while it grades, it should be replaced
-    and the batch graded; today the call fails ("exited with code -9 before it was ready (its
+    killer while math-verify imports). Like one killed while it grades, it is replaced and the
+    batch graded; before the fix the call failed ("exited with code -9 before it was ready (its
     traceback is above ...)"), and with it the stage and the run (exit 1, a traceback)."""
-    from pipeline import grading
+    from pipeline.tasks import grading
     responses, answers = [rf"\boxed{{{i}}}" for i in range(20)], [(str(i),) for i in range(20)]
     grading.close_pool()
     grading.start_pool(2)
