@@ -338,7 +338,8 @@ def drain_prefect() -> None:
 def detached_server(port: int):
     """Prefect's temporary server in a session of its own: Ctrl-C in the terminal reaches
     the run, which stops at safe points and reports Cancelled to this server, instead of
-    killing the server first (the run then spent minutes retrying a dead API)."""
+    killing the server first (the run then spent minutes retrying a dead API). It still
+    ends with the run's process, however that ends (popen_dying_with_us)."""
     import functools
     import subprocess
     from unittest import mock
@@ -347,10 +348,28 @@ def detached_server(port: int):
 
     class Detached(prefect_server.SubprocessASGIServer):
         def _run_uvicorn_command(self):
-            popen = functools.partial(subprocess.Popen, start_new_session=True)
+            popen = functools.partial(popen_dying_with_us, subprocess.Popen, start_new_session=True)
             with mock.patch.object(prefect_server.subprocess, "Popen", popen):
                 return super()._run_uvicorn_command()
     return Detached(port)
+
+
+# Run in the server's process before exec: SIGTERM once the process that started it is gone.
+# Prefect's atexit hook stops the server when a run exits; a SIGKILLed run (the OOM killer)
+# runs no hook, and its server (its own session: no signal from the terminal either) served
+# nobody for ever after. Measured in tests/test_fault_matrix.py (a killed run, no servers).
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM); "
+                    "os.getppid() == int(sys.argv[1]) or os._exit(1); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def popen_dying_with_us(popen, args, **kwargs):
+    """popen(args, ...) (subprocess.Popen, passed in: the caller patches it) whose process
+    gets SIGTERM when this one ends, even by SIGKILL (Linux's parent-death signal,
+    PR_SET_PDEATHSIG = 1, set before exec; it is tied to the calling thread, here the main
+    one). Elsewhere a plain popen."""
+    if sys.platform.startswith("linux"):
+        args = [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *args]
+    return popen(args, **kwargs)
 
 
 def cmd_stage(args) -> int:

@@ -201,7 +201,7 @@ def test_a_new_shell_finds_the_ports_ggpo_up_chose(services):
     res = subprocess.run([str(BIN / "ggpo"), "env"], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert res.returncode == 0
     assert f"export PREFECT_API_URL={services['urls']['prefect_api']}" in res.stdout.splitlines()
-    probe = subprocess.run([str(BIN / "python"), "-c", "from pipeline import paths, tracking; "
+    probe = subprocess.run([str(BIN / "python"), "-c", "from pipeline.core import paths; from pipeline.services import tracking; "
                             "print(paths.prefect_port(), tracking.tracking_uri())"],
                            capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     assert probe.stdout.split() == [str(services["ports"]["prefect"]), services["urls"]["mlflow"]], probe.stderr
@@ -226,7 +226,7 @@ def test_a_server_that_is_not_ggpos_gets_nothing_and_is_named(tmp_path):
     try:
         env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
         env |= {"GGPO_HOME": str(tmp_path / "home"), "GGPO_MLFLOW_PORT": str(server.server_port)}
-        res = subprocess.run([str(BIN / "python"), "-c", "from pipeline import tracking; print(tracking.tracking_uri())"],
+        res = subprocess.run([str(BIN / "python"), "-c", "from pipeline.services import tracking; print(tracking.tracking_uri())"],
                              capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
     finally:
         server.shutdown()

@@ -419,11 +419,14 @@ def _watch() -> None:
     _LAST_WATCH = now
     dead = [p for p in pool.procs if not p.is_alive()]
     for p in dead:
-        if p.pid not in pool.ready:
+        # a worker that failed to start (its own error: exit code > 0) will fail again; one
+        # killed by a signal before it was ready (the OOM killer while math-verify imports)
+        # is replaced like any dead worker, within fruitless_restarts
+        if p.pid not in pool.ready and (p.exitcode or 0) > 0:
             return _fail_all(f"a grading worker exited with code {p.exitcode} before it was ready (its "
                              "traceback is above: a worker imports math-verify and the main script, "
                              "which must be a file that runs only under `if __name__ == '__main__'`)")
-    if not pool.ready:
+    if not pool.ready and not dead:
         if now - pool.started > STARTUP_S:
             _fail_all(f"no grading worker was ready after {STARTUP_S:.0f} s; is the machine overloaded?")
         return
