@@ -16,7 +16,9 @@ Faults, each injected once the run has reached a point seen on disk (never after
   draws, or the final evaluation).
 - `sigkill`: the run itself is SIGKILLed once its first training checkpoint exists
   (offline: the train stage's checkpoints/latest.pt; online: the cell's rolling checkpoint
-  of round 0), then the same command runs again and resumes.
+  of round 0), then the same command runs again and resumes. Also the online flow with its
+  stages in worker processes (`experiment.task_runner=processes`): its workers must exit
+  with it, and its artifacts equal the threads runner's undisturbed run.
 - `disk`: the cache's disk fills at that checkpoint: a size-limited tmpfs holding the cache
   (where mounting is permitted), else ENOSPC injected into the run's Python file writes;
   then space is freed and the same command runs again.
@@ -50,7 +52,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -59,8 +61,10 @@ GGPO = [sys.executable, "-m", "pipeline.cli"]      # this checkout's code, whate
 FAULT_MARKER = "GGPO_FAULT_CELL"
 FAULTS = ("grader", "sigkill", "disk", "mlflow", "prefect")   # the order they run in
 # the cells of each fault: both flows; a killed run also without servers (`ggpo up` never ran)
+# and the online flow with its stages in worker processes (experiment.task_runner=processes),
+# compared with the threads runner's undisturbed run
 CELLS = [(fault, flow) for fault in FAULTS for flow in ("offline", "online")
-         + (("offline, no servers",) if fault == "sigkill" else ())]
+         + (("offline, no servers", "online, processes") if fault == "sigkill" else ())]
 POLL_S = 0.02
 RUN_BOUND_S = 900.0       # a hung run: a safety net, not a verdict
 GONE_BOUND_S = 15.0       # how long a killed run's workers may take to exit (they poll their parent every 1 s)
@@ -388,7 +392,7 @@ class Cell:
     ports nothing listens on (Prefect's temporary server, MLflow's SQLite file)."""
 
     def __init__(self, flow: Flow, fault: str, shell: Shell, base: Path, folder: Path, disk=None,
-                 servers: bool = True):
+                 servers: bool = True, label: str | None = None):
         self.flow, self.fault, self.folder, self.disk = flow, fault, folder, disk
         folder.mkdir(parents=True, exist_ok=True)
         self.cache = (disk.root if disk is not None else folder) / "cache"
@@ -398,7 +402,7 @@ class Cell:
         if not servers:
             self.env |= {"GGPO_HOME": str(folder / "home"), "GGPO_PREFECT_PORT": str(free_port()),
                          "GGPO_MLFLOW_PORT": str(free_port())}
-        self.outcome = Outcome(flow.name if servers else f"{flow.name}, no servers", fault)
+        self.outcome = Outcome(label or (flow.name if servers else f"{flow.name}, no servers"), fault)
 
     def start(self, tag: str = "run") -> Run:
         prefix = self.disk.argv_prefix if self.disk is not None else GGPO
@@ -544,6 +548,10 @@ class Matrix:
         if fault == "sigkill":      # a killed run must not leave Prefect's temporary server behind either
             out.append(Cell(FLOWS["offline"], fault, self.shell, self.base, self.folder / fault / "alone",
                             servers=False))
+            # the workers of a killed run exit too (they watch their parent); the rerun resumes
+            processes = replace(FLOWS["online"], sets=FLOWS["online"].sets + ("experiment.task_runner=processes",))
+            out.append(Cell(processes, fault, self.shell, self.base, self.folder / fault / "processes",
+                            label="online, processes"))
         return out
 
     def make_disk(self, root: Path):

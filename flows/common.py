@@ -27,6 +27,7 @@ from prefect.states import Cancelled, State
 
 from pipeline.core import interrupt
 from pipeline.core.config import PipelineConfig
+from pipeline.core.errors import Interrupted
 from pipeline.core.grid import GridCell
 from pipeline.core.store import Manifest, Store
 from pipeline.dag import graph, placement
@@ -107,7 +108,7 @@ def run_flow(flow: str, preset: str, overrides: dict[str, Any] | None, force: li
     # config, cells, device, engine, model, data, disk: every prerequisite before any work
     cfg, cells = check_run(flow, preset, overrides, force, methods, seeds)
     placement.use(cfg)      # threads or Ray (experiment.task_runner): connected before any work
-    if cfg.experiment.task_runner == "threads":    # Ray workers start their own, lazily
+    if cfg.experiment.task_runner == "threads":    # worker processes start their own, lazily
         grading.start_pool(cfg.verify.workers)   # one grading pool for every verify and evaluate, warm by then
     tags = tracking.run_tags(flow, preset, cfg, str(flow_run.get_id() or ""))
     title = tracking.run_title(flow, preset, overrides or {}, cfg)
@@ -134,7 +135,15 @@ def cancelled(step: Runner | None) -> State:
     """After a stop request: wait until every submitted stage has reached its safe point
     (checkpoints written), stop the graders, and end the flow run Cancelled."""
     if step is not None:
-        wait(list(step.submitted.values()))
+        futures = list(step.submitted.values())
+        wait(futures)
+        for future in futures:      # where each stage stopped; a worker process's too
+            try:
+                future.result()
+            except Interrupted as exc:
+                interrupt.stopped(exc.where)
+            except Exception:       # noqa: BLE001 - failures after a stop request are the stop's
+                pass
     grading.close_pool()
     return Cancelled(message=f"ggpo: {interrupt.summary()}")
 

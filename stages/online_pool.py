@@ -12,6 +12,8 @@ Algorithm (spec 8.1 inner loop, 8.2 refill):
 
     C <- []
     while |C| < N * G_mb:                      at most online.max_draws draws, else an error
+                                               (earlier when the draws left cannot fill C:
+                                               online.stall_alpha, `cannot_fill`; [ours])
         next draw_prompts prompts of the seeded loader (spec 8.3: positions cursor.. of the
         per-epoch permutations of (seed, "online/prompt-order", epoch))
         m responses each under pi_beh with lp_beh; grade; append the mixed groups, in order
@@ -27,6 +29,7 @@ round and cumulatively.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -66,10 +69,38 @@ def is_mixed(rewards: list[float]) -> bool:
     return max(rewards) > min(rewards)
 
 
+def poisson_upper(k: int, alpha: float) -> float:
+    """The rate lam with P(Poisson(lam) <= k) = alpha: an upper bound on a count's mean that
+    is exceeded with probability at most alpha (a binomial count's bound is tighter, so this
+    one is conservative for it)."""
+    def log_cdf(lam: float) -> float:
+        terms = [i * math.log(lam) - lam - math.lgamma(i + 1) for i in range(k + 1)]
+        top = max(terms)
+        return top + math.log(sum(math.exp(t - top) for t in terms))
+    lo, hi = max(k, 1e-9), k + 10.0 * math.sqrt(k + 1) - math.log(alpha) + 10.0
+    for _ in range(100):     # bisection: the CDF falls as lam grows
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if log_cdf(mid) > math.log(alpha) else (lo, mid)
+    return hi
+
+
+def cannot_fill(found: int, prompts: int, remaining_prompts: int, need: int, alpha: float) -> bool:
+    """True when the draws left cannot fill the round unless its mixed-group rate is above
+    its upper bound at level alpha: found + rate_hi * remaining < need, rate_hi =
+    poisson_upper(found, alpha) / prompts. A collapsed policy (0 mixed groups in the first
+    draw of 512 prompts at N = 64) is then known after 1 draw, not 16; the prompts are a
+    seeded permutation and the policy is fixed within a round, so the rate does not drift."""
+    if found >= need or prompts == 0:
+        return False
+    return found + poisson_upper(found, alpha) / prompts * remaining_prompts < need
+
+
 def collect_mixed(draw: Callable[[int], list[tuple[Any, list[float]]]], need: int, max_draws: int,
-                  what: str = "round") -> Refill:
+                  what: str = "round", stall_alpha: float | None = None) -> Refill:
     """Draw batches `draw(0), draw(1), ...` of (payload, rewards) groups until `need` mixed
-    groups exist; keep the first `need`. Raises RefillError after `max_draws` draws."""
+    groups exist; keep the first `need`. Raises RefillError after `max_draws` draws, or
+    earlier once `cannot_fill` at level `stall_alpha` (None: never early). A round that
+    fills is the same either way: the early stop only shortens a round that fails."""
     kept: list[Any] = []
     prompts = responses = 0
     for d in range(max_draws):
@@ -79,10 +110,19 @@ def collect_mixed(draw: Callable[[int], list[tuple[Any, list[float]]]], need: in
         kept += [payload for payload, rewards in batch if is_mixed(rewards)]
         if len(kept) >= need:
             return Refill(kept[:need], d + 1, prompts, responses, len(kept))
+        left = (max_draws - d - 1) * len(batch)
+        if stall_alpha is not None and left and cannot_fill(len(kept), prompts, left, need, stall_alpha):
+            raise RefillError(f"{what}: found {len(kept)} mixed-reward groups from {prompts} prompts ({responses} "
+                              f"responses, {d + 1} of online.max_draws = {max_draws} draws), and the draws left "
+                              f"cannot reach train.updates_per_step x train.groups_per_update = {need} (at "
+                              f"online.stall_alpha = {stall_alpha:g}); {HINT}")
     raise RefillError(f"{what}: found {len(kept)} mixed-reward groups from {prompts} prompts ({responses} "
                       f"responses, {max_draws} draws) but needs train.updates_per_step x "
-                      f"train.groups_per_update = {need}; the prompt set is (nearly) all solved or all failed "
-                      f"by this policy: use another task or difficulty, or raise online.max_draws")
+                      f"train.groups_per_update = {need}; {HINT}")
+
+
+HINT = ("the prompt set is (nearly) all solved or all failed by this policy: use another task or difficulty, "
+        "or raise online.max_draws")
 
 
 @lru_cache(maxsize=16)
@@ -141,7 +181,8 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, ctx: S
             groups.append(((len(drawn) - 1, group), group["reward"]))
         return groups
 
-    refill = collect_mixed(draw, need, cfg.online.max_draws, f"online round {r} (seed {cfg.seed})")
+    refill = collect_mixed(draw, need, cfg.online.max_draws, f"online round {r} (seed {cfg.seed})",
+                           cfg.online.stall_alpha)
     table: dict[str, list] = {name: [] for name in TRAIN_POOL.names}
     for position, (index, group) in enumerate(refill.kept):
         drawn[index]["kept"] = True

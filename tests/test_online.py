@@ -12,7 +12,7 @@ import torch
 from pipeline.core.config import ConfigError, load_config
 from pipeline.core.store import Store
 from pipeline.dag import graph
-from stages.online_pool import RefillError, collect_mixed, loader_positions
+from stages.online_pool import RefillError, cannot_fill, collect_mixed, loader_positions, poisson_upper
 
 from conftest import BIN, REPO
 from tolerance import rounding_tol
@@ -39,6 +39,35 @@ def test_refill_is_bounded_and_says_what_it_found():
     table = [[1, 1, 1, 1]] * 20 + [[0, 1, 1, 1]]
     with pytest.raises(RefillError, match=r"found 0 mixed-reward groups from 12 prompts \(48 responses, 3 draws\)"):
         collect_mixed(table_draw(table, 4), need=2, max_draws=3)
+
+
+def test_poisson_upper_bound_against_its_definition():
+    import math
+    # k = 0: P(Poisson(lam) = 0) = exp(-lam) = alpha exactly
+    assert poisson_upper(0, 1e-4) == pytest.approx(-math.log(1e-4), rel=1e-9)
+    for k, alpha in [(1, 1e-3), (5, 1e-4), (40, 1e-2), (300, 1e-4)]:
+        lam = poisson_upper(k, alpha)
+        cdf = sum(math.exp(i * math.log(lam) - lam - math.lgamma(i + 1)) for i in range(k + 1))
+        assert cdf == pytest.approx(alpha, rel=1e-6) and lam > k
+
+
+def test_a_round_that_cannot_fill_stops_early_and_one_that_can_is_unchanged():
+    # a collapsed policy: 0 mixed in the first draw of 512 prompts, 15 draws left, needs 512
+    assert cannot_fill(0, 512, 15 * 512, 512, 1e-4)
+    # 0 mixed of 32 with 480 prompts left, needs 32: a rate of 9.2 / 32 could still fill it
+    assert not cannot_fill(0, 32, 480, 32, 1e-4)
+    assert not cannot_fill(10, 10, 0, 10, 1e-4)          # filled: never a stall
+    # all solved, 16 prompts a draw, needs 16: after d draws the bound is 9.21 / (16 d) per
+    # prompt, and 9.21 (16 - d) / d < 16 first at d = 6
+    table = [[1, 1, 1, 1]] * 256
+    with pytest.raises(RefillError, match=r"from 96 prompts \(384 responses, 6 of online.max_draws = 16 draws\)"):
+        collect_mixed(table_draw(table, 16), need=16, max_draws=16, stall_alpha=1e-4)
+    # with mixed groups at a rate of one in four, the early test lets every draw happen
+    mixed, solved = [0, 1, 0, 0], [1, 1, 1, 1]
+    table = [mixed if i % 4 == 0 else solved for i in range(64)]
+    early = collect_mixed(table_draw(table, 4), need=16, max_draws=16, stall_alpha=1e-4)
+    plain = collect_mixed(table_draw(table, 4), need=16, max_draws=16)
+    assert (early.draws, early.kept) == (plain.draws, plain.kept) == (16, list(range(0, 64, 4)))
 
 
 def test_loader_order_depends_only_on_seed_and_epoch():

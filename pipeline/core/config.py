@@ -228,9 +228,11 @@ class ExperimentConfig(Section):
     grid: dict[str, list[Any]] = {}
     # named method entries: {"ggpo_clip": {"train.method": "ggpo", "train.ggpo_clip_delta": 0.05}}
     variants: dict[str, dict[str, Any]] = {}
-    # where stage tasks run (pipeline/dag/placement.py): threads of the flow process, or Ray
+    # where stage tasks run (pipeline/dag/placement.py): threads of the flow process;
+    # `parallel` worker processes of this machine (no shared GIL: a small model's Python-bound
+    # steps run side by side, 2 cells 1.9x one on 2 cores where threads give 1.0x); or Ray
     # workers, each task asking for its GPUs/CPUs. Results do not depend on it
-    task_runner: Literal["threads", "ray"] = "threads"
+    task_runner: Literal["threads", "processes", "ray"] = "threads"
     # Ray cluster: "host:port" (the head's GCS port), "ray://host:10001" (Ray Client),
     # "auto" (the cluster `ray start` runs on this machine) or "local" (a private Ray
     # instance for this flow run). None: $RAY_ADDRESS, else "local"
@@ -302,6 +304,11 @@ class OnlineConfig(Section):
     # draws per round before the round fails: a prompt set that cannot fill a round (all
     # solved, none solved) stops with the counts, never loops forever. Not in a key
     max_draws: int = Field(16, ge=1)
+    # stop a round's draws early once it cannot fill (stages/online_pool.py, `cannot_fill`): the
+    # chance, at each draw, of giving up on a round that all max_draws draws would have filled
+    # is at most this. None = always draw online.max_draws (a collapsed policy then costs 16
+    # draws of N * G_mb prompts before its stall). Not in a key: a round that fills is the same
+    stall_alpha: float | None = Field(1e-4, gt=0, lt=1)
     # a round (after the first) that cannot fill its pool, because the policy now solves or
     # fails (nearly) every prompt: "stop" ends the cell there and evaluates its policy as
     # the cell's final (the report shows the update it stopped at: a collapse is a result of

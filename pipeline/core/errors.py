@@ -91,6 +91,9 @@ class Interrupted(ExpectedError):
         super().__init__(f"interrupted: {where}")
         self.where = where
 
+    def __reduce__(self):       # from a worker process: rebuilt from `where`, not the message
+        return type(self), (self.where,)
+
 
 class ParseError(ValueError):
     """Internal to the countdown verifier: an answer that does not parse (graded parse_error,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from pipeline.core.errors import Interrupted
 
@@ -37,9 +37,26 @@ def requested() -> bool:
     return _requested.is_set()
 
 
+_listeners: list[Callable[[], None]] = []    # told of every request: worker processes (placement)
+
+
+def on_request(listener: Callable[[], None]) -> Callable[[], None]:
+    """Call `listener` at every stop request of this process from now on (a signal or
+    `request`); returns what unregisters it. placement's process runner passes requests
+    on to its worker processes this way."""
+    _listeners.append(listener)
+    return lambda: _listeners.remove(listener) if listener in _listeners else None
+
+
+def _tell_listeners() -> None:
+    for listener in list(_listeners):
+        listener()
+
+
 def request() -> None:
     """Ask all work in this process to stop at its next safe point (as a signal does)."""
     _requested.set()
+    _tell_listeners()
 
 
 def reset() -> None:
@@ -75,6 +92,7 @@ def summary() -> str:
 def _on_signal(signum, frame) -> None:
     _signals[0] += 1
     _requested.set()
+    _tell_listeners()
     if _signals[0] >= 3:             # the user insists: the next one is the default
         signal.signal(signum, signal.SIG_DFL)
 

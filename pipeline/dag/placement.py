@@ -44,7 +44,7 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture
 from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
-from pipeline.core import paths
+from pipeline.core import interrupt, paths
 from pipeline.core.config import ConfigError
 from pipeline.core.store import default_root
 from pipeline.dag.graph import STAGE_NAMES
@@ -139,6 +139,8 @@ def task_runner(cfg) -> TaskRunner:
     """The runner `experiment.task_runner` names, not started."""
     if cfg.experiment.task_runner == "threads":
         return ThreadPoolTaskRunner(max_workers=THREADS)
+    if cfg.experiment.task_runner == "processes":
+        return process_runner(cfg.experiment.parallel)
     _require_ray()
     from prefect_ray import RayTaskRunner
     address, _ = ray_address(cfg)
@@ -147,6 +149,44 @@ def task_runner(cfg) -> TaskRunner:
     if address in (LOCAL, "auto"):      # as ray.init reads them: a new instance; the running one or fail
         return RayTaskRunner(init_kwargs=init | {"address": address})
     return RayTaskRunner(address=address, init_kwargs=init)
+
+
+def process_runner(workers: int) -> TaskRunner:
+    """Prefect's ProcessPoolTaskRunner with `workers` spawned processes that act for this one:
+    its folder, its logging, its stop requests (`interrupt.on_request` sets an event each
+    worker watches) and its life (a worker whose flow process is gone exits)."""
+    import multiprocessing
+
+    from prefect.task_runners import ProcessPoolTaskRunner
+    stop = multiprocessing.get_context("spawn").Event()
+    interrupt.on_request(stop.set)
+    return ProcessPoolTaskRunner(max_workers=workers, initializer=process_worker_setup,
+                                 initargs=(os.getpid(), os.getcwd(), stop))
+
+
+def process_worker_setup(parent: int, workdir: str, stop) -> None:
+    """Runs once in each worker of the process runner. Its own process group, so a terminal's
+    Ctrl-C reaches the flow process alone, which passes one request on through `stop`: the
+    worker's stages stop at their safe points as the flow process's would. A watch thread
+    ends the worker when its flow process is gone (killed: nothing else would)."""
+    import logging
+    import signal
+    import threading
+
+    os.setpgrp()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # requests come through `stop`
+    if os.path.isdir(workdir):
+        os.chdir(workdir)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            if stop.wait(0.5) and not interrupt.requested():
+                interrupt.request()
+        os._exit(1)         # the flow process is gone: so is every reason to go on
+
+    threading.Thread(target=watch, name="ggpo-worker-watch", daemon=True).start()
 
 
 def _gpus_for(stage: str, cfg) -> int:
@@ -236,8 +276,8 @@ def use(cfg) -> None:
     if not isinstance(shell, ConfiguredTaskRunner):
         if cfg.experiment.task_runner == "threads" or _is_ray(shell):
             return      # a flow whose runner is fixed already (with_options) and agrees
-        raise ConfigError("experiment.task_runner=ray: this flow's task runner is fixed; declare it with "
-                          "task_runner=placement.ConfiguredTaskRunner()")
+        raise ConfigError(f"experiment.task_runner={cfg.experiment.task_runner}: this flow's task runner is fixed; "
+                          f"declare it with task_runner=placement.ConfiguredTaskRunner()")
     runner = task_runner(cfg)
     _failures.clear()
     try:
@@ -274,6 +314,10 @@ def submit(task, stage: str, cfg, *args, **kwargs) -> PrefectFuture:
     ctx = FlowRunContext.get()
     runner = ctx.task_runner if ctx is not None else None
     runner = getattr(runner, "inner", runner)
+    if type(runner).__name__ == "ProcessPoolTaskRunner":
+        future = task.submit(*args, **kwargs)
+        future.add_done_callback(_note_process_failure(stage))
+        return future
     if not _is_ray(runner):
         return task.submit(*args, **kwargs)
     from prefect_ray.context import remote_options
@@ -283,7 +327,7 @@ def submit(task, stage: str, cfg, *args, **kwargs) -> PrefectFuture:
     return future
 
 
-# Stage failures on Ray workers, oldest first (spec.failures() holds this process's own):
+# Stage failures on Ray workers or worker processes, oldest first (spec.failures() holds this process's own):
 # the flow then fails on "upstream task not completed", and the CLI names the cause instead.
 _failures: list[tuple[str, Exception]] = []
 
@@ -291,6 +335,15 @@ _failures: list[tuple[str, Exception]] = []
 def failures() -> list[tuple[str, Exception]]:
     """(stage, exception) of every stage task that failed on a Ray worker in this flow run."""
     return list(_failures)
+
+
+def _note_process_failure(stage: str):
+    def note(future) -> None:       # done: its final state came back from the worker process
+        try:
+            future.result()
+        except Exception as exc:    # noqa: BLE001 - recorded for the CLI's one line, raised to the flow anyway
+            _failures.append((stage, exc))
+    return note
 
 
 def _note_failure(stage: str):
