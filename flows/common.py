@@ -21,7 +21,7 @@ from typing import Any, Callable
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import PrefectFuture, wait
+from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
@@ -135,9 +135,10 @@ def cancelled(step: Runner | None) -> State:
     """After a stop request: wait until every submitted stage has reached its safe point
     (checkpoints written), stop the graders, and end the flow run Cancelled."""
     if step is not None:
-        futures = list(step.submitted.values())
-        wait(futures)
-        for future in futures:      # where each stage stopped; a worker process's too
+        # each one to its end (a stage at its safe point), and where it stopped: a worker
+        # process's too. Not prefect's wait(): with worker processes it raises for a stage
+        # whose inputs failed (UpstreamTaskError) before the others are done
+        for future in step.submitted.values():
             try:
                 future.result()
             except Interrupted as exc:

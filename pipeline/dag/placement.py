@@ -35,6 +35,7 @@ runner, for `flow.with_options(task_runner=...)` where the config is known outsi
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
@@ -46,6 +47,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from pipeline.core import interrupt, paths
 from pipeline.core.config import ConfigError
+from pipeline.core.errors import ExpectedError
 from pipeline.core.store import default_root
 from pipeline.dag.graph import STAGE_NAMES
 from pipeline.services import tracking
@@ -160,16 +162,26 @@ def process_runner(workers: int) -> TaskRunner:
     from prefect.task_runners import ProcessPoolTaskRunner
     stop = multiprocessing.get_context("spawn").Event()
     interrupt.on_request(stop.set)
+    # the CLI drops Prefect's tracebacks of expected errors unless --debug: the workers too
+    quiet = bool(logging.getLogger("prefect.task_runs").filters)
     return ProcessPoolTaskRunner(max_workers=workers, initializer=process_worker_setup,
-                                 initargs=(os.getpid(), os.getcwd(), stop))
+                                 initargs=(os.getpid(), os.getcwd(), stop, quiet))
 
 
-def process_worker_setup(parent: int, workdir: str, stop) -> None:
+def drop_expected_traceback(record: logging.LogRecord) -> bool:
+    """A worker's record of a stage's expected error (a stop, bad input) keeps its line and
+    loses its traceback: the flow process says the one line that matters."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, ExpectedError):
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
+def process_worker_setup(parent: int, workdir: str, stop, quiet: bool = True) -> None:
     """Runs once in each worker of the process runner. Its own process group, so a terminal's
     Ctrl-C reaches the flow process alone, which passes one request on through `stop`: the
     worker's stages stop at their safe points as the flow process's would. A watch thread
     ends the worker when its flow process is gone (killed: nothing else would)."""
-    import logging
     import signal
     import threading
 
@@ -179,6 +191,8 @@ def process_worker_setup(parent: int, workdir: str, stop) -> None:
         os.chdir(workdir)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    for name in ("prefect.task_runs", "prefect.flow_runs") if quiet else ():
+        logging.getLogger(name).addFilter(drop_expected_traceback)
 
     def watch() -> None:
         while os.getppid() == parent:
