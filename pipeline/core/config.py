@@ -229,8 +229,8 @@ class ExperimentConfig(Section):
     # named method entries: {"ggpo_clip": {"train.method": "ggpo", "train.ggpo_clip_delta": 0.05}}
     variants: dict[str, dict[str, Any]] = {}
     # where stage tasks run (pipeline/dag/placement.py): threads of the flow process;
-    # `parallel` worker processes of this machine (no shared GIL: a small model's Python-bound
-    # steps run side by side, 2 cells 1.9x one on 2 cores where threads give 1.0x); or Ray
+    # `parallel` worker processes of this machine (no shared interpreter lock: a small model's
+    # Python-bound steps run side by side; benchmarks/runner_parallelism.py); or Ray
     # workers, each task asking for its GPUs/CPUs. Results do not depend on it
     task_runner: Literal["threads", "processes", "ray"] = "threads"
     # Ray cluster: "host:port" (the head's GCS port), "ray://host:10001" (Ray Client),
