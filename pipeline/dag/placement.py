@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from prefect.context import FlowRunContext
@@ -153,6 +153,9 @@ def task_runner(cfg) -> TaskRunner:
     return RayTaskRunner(address=address, init_kwargs=init)
 
 
+_forget_previous_runner: list[Callable[[], None]] = [lambda: None]
+
+
 def process_runner(workers: int) -> TaskRunner:
     """Prefect's ProcessPoolTaskRunner with `workers` spawned processes that act for this one:
     its folder, its logging, its stop requests (`interrupt.on_request` sets an event each
@@ -161,7 +164,8 @@ def process_runner(workers: int) -> TaskRunner:
 
     from prefect.task_runners import ProcessPoolTaskRunner
     stop = multiprocessing.get_context("spawn").Event()
-    interrupt.on_request(stop.set)
+    _forget_previous_runner[0]()        # one listener: the newest runner's (a served process runs many flows)
+    _forget_previous_runner[0] = interrupt.on_request(stop.set)
     # the CLI drops Prefect's tracebacks of expected errors unless --debug: the workers too
     quiet = bool(logging.getLogger("prefect.task_runs").filters)
     return ProcessPoolTaskRunner(max_workers=workers, initializer=process_worker_setup,
