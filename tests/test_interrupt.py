@@ -30,7 +30,9 @@ def test_sigint_reaches_worker_processes(base_manifest, tmp_path):
     marker = f"interrupt-processes-{os.getpid()}"
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
         "GGPO_HOME": str(tmp_path / "home"), FAULT_MARKER: marker}
-    assert_interrupted_cleanly(*interrupt_offline_run(env, seed=2, extra=["train.lr=3e-5",
+    # its own training run: lr 6e-5 (the runner is not in a key, so another lr than the other
+    # interrupt tests, whose runs share the session cache)
+    assert_interrupted_cleanly(*interrupt_offline_run(env, seed=2, extra=["train.lr=6e-5",
                                                                           "experiment.task_runner=processes"]))
     deadline = time.monotonic() + 30       # the workers' watch polls every 0.5 s: a safety net
     while marked(marker) and time.monotonic() < deadline:
