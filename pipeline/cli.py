@@ -20,7 +20,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import cast
+from typing import Callable, cast
 
 from pydantic import ValidationError
 
@@ -161,11 +161,16 @@ def cmd_run(args) -> int:
     os.environ.setdefault("PREFECT_HOME", str(paths.state_dir() / "prefect"))
     os.environ.setdefault("PREFECT_LOCAL_STORAGE_PATH", str(paths.state_dir() / "prefect" / "storage"))
     prefect_client.settings()    # bounded client retries: read once, at `import prefect`
-    ensure_prefect_api()
+    prefect_ready = ensure_prefect_api()
+    # while a temporary Prefect server starts (~20 s here, its own process): the flow's imports
+    # and MLflow's first use of a new SQLite file (its tables, ~10 s), which the flow would
+    # otherwise do after the server answers
     if args.flow == "online":
         from flows.online import ggpo_online as ggpo
     else:
         from flows.offline import ggpo
+    tracking.prepare(tracking.EXPERIMENTS[args.flow])
+    prefect_ready()
     prefect_client.install()     # a server that goes away mid-run: one line, the run goes on
     if not args.debug:
         for name in ("prefect.task_runs", "prefect.flow_runs"):
@@ -285,11 +290,13 @@ def _overrides(args) -> dict:
     return parse_overrides(args.overrides)
 
 
-def ensure_prefect_api() -> None:
+def ensure_prefect_api() -> Callable[[], None]:
     """Use $PREFECT_API_URL when it answers, else the server `ggpo up` started (its port is
     recorded, so a new shell finds it), else start Prefect's temporary server and point
     PREFECT_API_URL at it, never at the dead URL of prefect.toml. A server on ggpo's port
-    that `ggpo up` did not start is named and left alone.
+    that `ggpo up` did not start is named and left alone. Returns what waits until the API
+    answers: a temporary server is started, not waited for, so the caller's own set-up runs
+    meanwhile.
 
     Must run before `import prefect`: Prefect reads its settings once, at import.
     Why not leave the URL empty: Prefect 3.9 treats PREFECT_API_URL="" as "no server" for
@@ -300,7 +307,7 @@ def ensure_prefect_api() -> None:
     url = explicit if explicit and servers.healthy(f"{explicit}/health") else servers.ours("prefect")
     if url:
         os.environ["PREFECT_API_URL"] = url
-        return
+        return lambda: None
     probe = f"http://127.0.0.1:{paths.prefect_port()}/api"
     if servers.healthy(f"{probe}/health"):
         print(f"ggpo: note: {servers.foreign(probe, 'Prefect')}; using a temporary one "
@@ -313,12 +320,9 @@ def ensure_prefect_api() -> None:
     port = servers.free_port()
     os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
     server = detached_server(port)
-    server.start()          # stopped by Prefect's own atexit hook, after this process's own shutdown
+    server.launch()          # stopped by Prefect's own atexit hook, after this process's own shutdown
     _TEMPORARY_SERVER.append(server)
-    if server.api_url != os.environ["PREFECT_API_URL"]:   # port taken between our check and its bind
-        server.stop()
-        raise servers.ServiceError(f"Prefect's temporary server could not bind port {port}; run again, "
-                                    "or start the servers with `ggpo up`")
+    return server.ready
 
 
 _TEMPORARY_SERVER: list = []
@@ -340,10 +344,14 @@ def detached_server(port: int):
     the run, which stops at safe points and reports Cancelled to this server, instead of
     killing the server first (the run then spent minutes retrying a dead API). It still
     ends with the run's process, however that ends (popen_dying_with_us)."""
+    import atexit
+    import contextlib
     import functools
     import subprocess
+    import time
     from unittest import mock
 
+    import httpx
     from prefect.server.api import server as prefect_server
 
     class Detached(prefect_server.SubprocessASGIServer):
@@ -351,6 +359,34 @@ def detached_server(port: int):
             popen = functools.partial(popen_dying_with_us, subprocess.Popen, start_new_session=True)
             with mock.patch.object(prefect_server.subprocess, "Popen", popen):
                 return super()._run_uvicorn_command()
+
+        def launch(self) -> None:
+            """Its process started, from the main thread (the parent-death signal is the
+            starting thread's), not waited for: `start` would wait for it to answer."""
+            prefect_server.subprocess_server_logger.info("Starting temporary server on %s", self.address)
+            self.running = True
+            self.server_process = self._run_uvicorn_command()
+            atexit.register(self.stop)
+
+        def ready(self) -> None:
+            """Wait until it answers; one ServiceError when it exits or stays silent."""
+            timeout = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
+            deadline = time.monotonic() + timeout
+            with httpx.Client() as client:
+                while time.monotonic() < deadline:
+                    assert self.server_process is not None      # launch() started it
+                    code = self.server_process.poll()
+                    if code is not None:
+                        why = "its port was taken" if code == 3 else f"it exited with code {code}"
+                        raise servers.ServiceError(f"Prefect's temporary server on port {self.port} did not start "
+                                                   f"({why}); run again, or start the servers with `ggpo up`")
+                    with contextlib.suppress(httpx.HTTPError):
+                        if client.get(f"{self.api_url}/health").status_code == 200:
+                            return
+                    time.sleep(0.1)
+            raise servers.ServiceError(f"Prefect's temporary server on port {self.port} did not answer in {timeout:g} s "
+                                       f"(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); start the servers with "
+                                       f"`ggpo up`")
     return Detached(port)
 
 

@@ -306,6 +306,26 @@ def use(cfg) -> None:
                           f"{str(exc).splitlines()[0]}") from None
     if _is_ray(runner):
         _check_fits(cfg, ray_address(cfg))
+    if cfg.experiment.task_runner == "processes":
+        spawn_workers(runner, cfg.experiment.parallel)
+
+
+def spawn_workers(runner: TaskRunner, workers: int) -> None:
+    """Every worker of the process runner started now, each importing the flows' modules
+    (torch, transformers: ~7 s here) while the flow process sets up. Left alone, the pool
+    spawns a worker when a task reaches it: the first for the base model, the second only
+    once that is built, when every cell waits for it."""
+    executor = getattr(runner, "_executor", None)       # Prefect 3.9's ProcessPoolExecutor
+    if executor is None:
+        return
+    for _ in range(workers):        # each submit finds no idle worker yet: one spawn each
+        executor.submit(import_flows)
+
+
+def import_flows() -> None:
+    """What a worker imports to run the flows' tasks (their pickles name these modules)."""
+    import flows.offline  # noqa: F401
+    import flows.online  # noqa: F401
 
 
 def _is_ray(runner) -> bool:

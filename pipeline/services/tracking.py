@@ -155,6 +155,13 @@ def own_server(uri: str) -> bool:
     return servers.read_state().get("urls", {}).get("mlflow", "").rstrip("/") == uri.rstrip("/")
 
 
+def prepare(experiment: str = EXPERIMENT) -> None:
+    """The tracking store opened and `experiment` made, before a flow needs them: MLflow's
+    first use of a new SQLite file creates its tables (~10 s on the 2-core machine), which
+    the CLI does while the Prefect server starts."""
+    experiment_id(client(), experiment)
+
+
 def experiment_id(c, name: str = EXPERIMENT) -> str:
     """The experiment's id, created if missing, always tagged as a model-training experiment."""
     exp = c.get_experiment_by_name(name)

@@ -127,7 +127,7 @@ class TransformersEngine:
     def wake(self) -> None:
         pass
 
-    @torch.no_grad()
+    @torch.inference_mode()     # no_grad's tokens, less bookkeeping per op (~5 % of a small draw)
     def _sample(self, prompts: list[str], params: SamplingParams, gen: torch.Generator) -> list[Completion]:
         """One batch of rows decoded together; a row leaves the batch once it has sampled a
         stop token (`_shrink`), so a batch costs the tokens its rows produce, not rows x the
