@@ -26,7 +26,16 @@ from pydantic import ValidationError
 
 from pipeline.core import interrupt, paths
 from pipeline.core.config import PRESET_DIR, load_config, parse_overrides, preset_names
-from pipeline.core.errors import BenchmarkError, ConfigError, DatasetError, DiskFull, ExpectedError, NonFiniteUpdate, PoolError
+from pipeline.core.errors import (
+    BenchmarkError,
+    ConfigError,
+    DatasetError,
+    DiskFull,
+    ExpectedError,
+    NonFiniteUpdate,
+    PoolError,
+    drop_expected_traceback,
+)
 from pipeline.core.methods import METHODS
 from pipeline.core.store import Store, gc_plan, verify_all
 from pipeline.dag import graph, spec
@@ -174,7 +183,7 @@ def cmd_run(args) -> int:
     prefect_client.install()     # a server that goes away mid-run: one line, the run goes on
     if not args.debug:
         for name in ("prefect.task_runs", "prefect.flow_runs"):
-            logging.getLogger(name).addFilter(drop_expected_tracebacks)
+            logging.getLogger(name).addFilter(drop_expected_traceback)
     spec.clear_failures()
     interrupt.reset()
     try:
@@ -275,15 +284,6 @@ def interrupted() -> int:
         server.stop()
     print(f"ggpo: {interrupt.summary()}", file=sys.stderr)
     return interrupt.EXIT_CODE
-
-
-def drop_expected_tracebacks(record: logging.LogRecord) -> bool:
-    """Keep Prefect's one-line failure record of an expected error, without its traceback
-    (and without that of the flow's follow-up "unfinished upstream" error); --debug keeps them."""
-    exc = record.exc_info[1] if record.exc_info else None
-    if exc is not None and (expected_error(exc) is not None or type(exc).__name__ == "UnfinishedRun"):
-        record.exc_info, record.exc_text = None, None
-    return True
 
 
 def _overrides(args) -> dict:

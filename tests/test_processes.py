@@ -33,3 +33,17 @@ def test_stage_failure_in_a_worker_process_is_one_line(tmp_path, api):
     lines = [line for line in str(failed.value).splitlines() if line.startswith("ggpo:")]
     assert len(lines) == 1 and lines[0].startswith(f"ggpo: {bad}: missing required column 'answer'"), lines
     assert "exit 2" in str(failed.value) and "Traceback" not in str(failed.value)
+
+
+def test_the_runners_workers_start_before_any_task():
+    """`use` spawns every worker of the process runner at the flow's start (`spawn_workers`):
+    the pool by itself spawns one when a task reaches it, and the flow's first task (the
+    base model) left the second to start only after it."""
+    from pipeline.dag import placement
+    runner = placement.process_runner(2)
+    with runner:
+        executor = runner._executor
+        assert executor is not None and len(executor._processes) == 0
+        placement.spawn_workers(runner, 2)
+        assert len(executor._processes) == 2
+        assert all(p.is_alive() for p in executor._processes.values())

@@ -50,3 +50,43 @@ def test_experiment_is_a_model_training_experiment(tmp_path):
     assert c.get_experiment(exp_id).tags[tracking.KIND_TAG] == "custom_model_development"
     assert tracking.runs_url("http://127.0.0.1:5000/", exp_id) == (
         f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs?workflowType=machine_learning&compareRunsMode=CHART")
+
+
+@pytest.mark.servers
+def test_a_temporary_server_that_cannot_bind_is_one_error_naming_its_port(tmp_path, monkeypatch):
+    """The CLI starts the temporary server and goes on with its own set-up (`launch`), then
+    waits for it (`ready`): a server whose port is taken meanwhile exits, and the wait ends
+    at once with one ServiceError naming the port, not after the start-up timeout."""
+    import socket
+    import time
+
+    from pipeline import cli
+    from pipeline.services import servers
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    monkeypatch.setenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        server = cli.detached_server(port)
+        server.launch()
+        started = time.monotonic()
+        try:
+            with pytest.raises(servers.ServiceError, match=f"temporary server on port {port} did not start"):
+                server.ready()
+        finally:
+            server.stop()
+    assert time.monotonic() - started < 300          # ended by the exit, not by the timeout
+
+
+def test_prepare_makes_the_tracking_store_and_experiment(tmp_path, monkeypatch):
+    """What the CLI does while the temporary server starts: MLflow's SQLite file with its
+    tables and the flow's experiment, so the flow finds both."""
+    from mlflow import MlflowClient
+
+    from pipeline.services import tracking
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    tracking.prepare(tracking.EXPERIMENTS["online"])
+    exp = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}").get_experiment_by_name(
+        tracking.EXPERIMENTS["online"])
+    assert exp is not None and exp.tags[tracking.KIND_TAG] == "custom_model_development"

@@ -9,6 +9,7 @@ keeps its traceback.
 from __future__ import annotations
 
 import errno
+import logging
 
 
 class ExpectedError(Exception):
@@ -121,3 +122,14 @@ def is_disk_full(exc: BaseException | None) -> bool:
 
 # the benchmark files eval.benchmarks may name (pipeline/tasks/benchmarks.py reads them)
 BENCHMARKS = ("math500", "aime24", "aime25", "olympiadbench", "minerva_math", "math_train")
+
+
+def drop_expected_traceback(record: logging.LogRecord) -> bool:
+    """A logging filter (the CLI's Prefect loggers, and a worker process's): a record of an
+    expected error, or of a config that did not validate, keeps its one line and loses its
+    traceback, as does Prefect's follow-up "unfinished upstream" record; the CLI says the
+    line that matters (--debug keeps them all)."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if exc is not None and (isinstance(exc, ExpectedError) or type(exc).__name__ in ("ValidationError", "UnfinishedRun")):
+        record.exc_info, record.exc_text = None, None
+    return True

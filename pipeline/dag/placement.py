@@ -47,7 +47,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from pipeline.core import interrupt, paths
 from pipeline.core.config import ConfigError
-from pipeline.core.errors import ExpectedError
+from pipeline.core.errors import drop_expected_traceback
 from pipeline.core.store import default_root
 from pipeline.dag.graph import STAGE_NAMES
 from pipeline.services import tracking
@@ -170,15 +170,6 @@ def process_runner(workers: int) -> TaskRunner:
     quiet = bool(logging.getLogger("prefect.task_runs").filters)
     return ProcessPoolTaskRunner(max_workers=workers, initializer=process_worker_setup,
                                  initargs=(os.getpid(), os.getcwd(), stop, quiet))
-
-
-def drop_expected_traceback(record: logging.LogRecord) -> bool:
-    """A worker's record of a stage's expected error (a stop, bad input) keeps its line and
-    loses its traceback: the flow process says the one line that matters."""
-    exc = record.exc_info[1] if record.exc_info else None
-    if isinstance(exc, ExpectedError):
-        record.exc_info, record.exc_text = None, None
-    return True
 
 
 def process_worker_setup(parent: int, workdir: str, stop, quiet: bool = True) -> None:
