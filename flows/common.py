@@ -107,7 +107,7 @@ def run_flow(flow: str, preset: str, overrides: dict[str, Any] | None, force: li
     interrupts; then the report published and printed. A stop request ends it Cancelled."""
     # config, cells, device, engine, model, data, disk: every prerequisite before any work
     cfg, cells = check_run(flow, preset, overrides, force, methods, seeds)
-    placement.use(cfg)      # threads or Ray (experiment.task_runner): connected before any work
+    placement.use(cfg, preload=(procedure.__module__,))   # the runner (experiment.task_runner), before any work
     if cfg.experiment.task_runner == "threads":    # worker processes start their own, lazily
         grading.start_pool(cfg.verify.workers)   # one grading pool for every verify and evaluate, warm by then
     tags = tracking.run_tags(flow, preset, cfg, str(flow_run.get_id() or ""))

@@ -276,10 +276,11 @@ class ConfiguredTaskRunner(TaskRunner[PrefectFuture[Any]]):     # what @flow's t
             super().__exit__(*exc_info)
 
 
-def use(cfg) -> None:
+def use(cfg, preload: tuple[str, ...] = ()) -> None:
     """Start the runner `cfg` names for the running flow, before any work. Under Ray: connect
     (one ConfigError when the cluster cannot be reached) and check that every stage's
-    resources fit on some node (an infeasible task would wait forever)."""
+    resources fit on some node (an infeasible task would wait forever). `preload`: the
+    modules of the flow's tasks, which the process runner's workers import as they start."""
     ctx = FlowRunContext.get()
     shell = ctx.task_runner if ctx is not None else None
     if not isinstance(shell, ConfiguredTaskRunner):
@@ -298,25 +299,27 @@ def use(cfg) -> None:
     if _is_ray(runner):
         _check_fits(cfg, ray_address(cfg))
     if cfg.experiment.task_runner == "processes":
-        spawn_workers(runner, cfg.experiment.parallel)
+        spawn_workers(runner, cfg.experiment.parallel, preload)
 
 
-def spawn_workers(runner: TaskRunner, workers: int) -> None:
-    """Every worker of the process runner started now, each importing the flows' modules
-    (torch, transformers: ~7 s here) while the flow process sets up. Left alone, the pool
-    spawns a worker when a task reaches it: the first for the base model, the second only
-    once that is built, when every cell waits for it."""
+def spawn_workers(runner: TaskRunner, workers: int, preload: tuple[str, ...] = ()) -> None:
+    """Every worker of the process runner started now, each importing `preload` (a flow's
+    module: torch, transformers, ~7 s here) while the flow process sets up. Left alone, the
+    pool spawns a worker when a task reaches it: the first for the base model, the second
+    only once that is built, when every cell waits for it."""
     executor = getattr(runner, "_executor", None)       # Prefect 3.9's ProcessPoolExecutor
     if executor is None:
         return
     for _ in range(workers):        # each submit finds no idle worker yet: one spawn each
-        executor.submit(import_flows)
+        executor.submit(import_modules, preload)
 
 
-def import_flows() -> None:
-    """What a worker imports to run the flows' tasks (their pickles name these modules)."""
-    import flows.offline  # noqa: F401
-    import flows.online  # noqa: F401
+def import_modules(names: tuple[str, ...]) -> None:
+    """In a worker: the modules its tasks' pickles name, imported before the first task
+    (by name: this layer does not import the flows)."""
+    import importlib
+    for name in names:
+        importlib.import_module(name)
 
 
 def _is_ray(runner) -> bool:
