@@ -345,13 +345,11 @@ def detached_server(port: int):
     killing the server first (the run then spent minutes retrying a dead API). It still
     ends with the run's process, however that ends (popen_dying_with_us)."""
     import atexit
-    import contextlib
     import functools
     import subprocess
     import time
     from unittest import mock
 
-    import httpx
     from prefect.server.api import server as prefect_server
 
     class Detached(prefect_server.SubprocessASGIServer):
@@ -372,18 +370,16 @@ def detached_server(port: int):
             """Wait until it answers; one ServiceError when it exits or stays silent."""
             timeout = float(os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"])
             deadline = time.monotonic() + timeout
-            with httpx.Client() as client:
-                while time.monotonic() < deadline:
-                    assert self.server_process is not None      # launch() started it
-                    code = self.server_process.poll()
-                    if code is not None:
-                        why = "its port was taken" if code == 3 else f"it exited with code {code}"
-                        raise servers.ServiceError(f"Prefect's temporary server on port {self.port} did not start "
-                                                   f"({why}); run again, or start the servers with `ggpo up`")
-                    with contextlib.suppress(httpx.HTTPError):
-                        if client.get(f"{self.api_url}/health").status_code == 200:
-                            return
-                    time.sleep(0.1)
+            while time.monotonic() < deadline:
+                assert self.server_process is not None      # launch() started it
+                code = self.server_process.poll()
+                if code is not None:
+                    why = "its port was taken" if code == 3 else f"it exited with code {code}"
+                    raise servers.ServiceError(f"Prefect's temporary server on port {self.port} did not start "
+                                               f"({why}); run again, or start the servers with `ggpo up`")
+                if servers.healthy(f"{self.api_url}/health"):
+                    return
+                time.sleep(0.1)
             raise servers.ServiceError(f"Prefect's temporary server on port {self.port} did not answer in {timeout:g} s "
                                        f"(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); start the servers with "
                                        f"`ggpo up`")

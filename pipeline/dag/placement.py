@@ -167,7 +167,7 @@ def process_runner(workers: int) -> TaskRunner:
     _forget_previous_runner[0]()        # one listener: the newest runner's (a served process runs many flows)
     _forget_previous_runner[0] = interrupt.on_request(stop.set)
     # the CLI drops Prefect's tracebacks of expected errors unless --debug: the workers too
-    quiet = bool(logging.getLogger("prefect.task_runs").filters)
+    quiet = drop_expected_traceback in logging.getLogger("prefect.task_runs").filters
     return ProcessPoolTaskRunner(max_workers=workers, initializer=process_worker_setup,
                                  initargs=(os.getpid(), os.getcwd(), stop, quiet))
 
