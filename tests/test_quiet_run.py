@@ -56,9 +56,9 @@ def test_experiment_is_a_model_training_experiment(tmp_path):
 def test_a_temporary_server_that_cannot_bind_is_one_error_naming_its_port(tmp_path, monkeypatch):
     """The CLI starts the temporary server and goes on with its own set-up (`launch`), then
     waits for it (`ready`): a server whose port is taken meanwhile exits, and the wait ends
-    at once with one ServiceError naming the port, not after the start-up timeout."""
+    with one ServiceError naming the port ("did not start": the exit, not the start-up
+    timeout, whose error says "did not answer")."""
     import socket
-    import time
 
     from pipeline import cli
     from pipeline.services import servers
@@ -70,13 +70,11 @@ def test_a_temporary_server_that_cannot_bind_is_one_error_naming_its_port(tmp_pa
         port = taken.getsockname()[1]
         server = cli.detached_server(port)
         server.launch()
-        started = time.monotonic()
         try:
             with pytest.raises(servers.ServiceError, match=f"temporary server on port {port} did not start"):
                 server.ready()
         finally:
             server.stop()
-    assert time.monotonic() - started < 300          # ended by the exit, not by the timeout
 
 
 def test_prepare_makes_the_tracking_store_and_experiment(tmp_path, monkeypatch):
