@@ -31,7 +31,7 @@ import torch
 
 from pipeline.core.config import PipelineConfig, load_config
 from pipeline.core.store import Store, model_path
-from pipeline.models.engines.hf import _cache_kwarg
+from pipeline.models.engines.decode import _cache_kwarg
 from pipeline.models.hf import load_model, load_tokenizer
 from pipeline.tasks import catalog, countdown, grading
 from stages import base_model as base_stage

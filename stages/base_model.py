@@ -101,10 +101,8 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
     tok = build_tokenizer()
     model = build_model(mc, len(tok))
     opt = torch.optim.AdamW(model.parameters(), lr=mc.sft_lr, betas=(0.9, 0.99), weight_decay=0.0)
-    engine = TransformersEngine.__new__(TransformersEngine)
     # the tiny model's warm-up stays on the CPU on every machine: the base is the same everywhere
-    engine.tokenizer, engine.model, engine.batch_prompts, engine.device = tok, model, 64, torch.device("cpu")
-    engine.stop_ids = [tok.eos_token_id]
+    engine = TransformersEngine.from_model(model, tok, [tok.eos_token_id])
     log: dict[str, list[float]] = {"step": [], "loss": [], "lr": [], "sampled_accuracy": []}
     acc, step = 0.0, 0
     # the count is an upper bound: warm-up stops once the sampled accuracy reaches the target

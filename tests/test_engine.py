@@ -112,3 +112,63 @@ def test_finished_rows_leaving_the_batch_change_no_draw(base_manifest, monkeypat
     assert len({len(b.token_ids) for _, b in pairs}) > 1      # rows did finish at different steps
     tol = 4 * 10 * torch.finfo(hf.weights_dtype(dtype, engine.device)).eps
     assert max(abs(x - y) for a, b in pairs for x, y in zip(a.logprobs, b.logprobs)) <= tol
+
+
+def _step_side_by_side(model, prompts: list[str], tok, steps: int, shrink_at: int) -> int:
+    """transformers' forward and the lean decode step fed the same tokens (drawn from the
+    former's logits), their logits compared bit for bit at every step; at step `shrink_at` the
+    batch keeps every other row. Returns the number of steps compared."""
+    from pipeline.models.engines.decode import HFForward, LeanQwen3
+    ids = [tok(p)["input_ids"] for p in prompts]
+    width = max(map(len, ids))
+    attn = torch.ones((len(ids), width + steps), dtype=torch.long)
+    attn[:, :width] = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    step_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])
+    pos = (attn[:, :width].cumsum(-1) - 1).clamp(min=0)
+    hf, lean = HFForward(model), LeanQwen3(model, width + steps)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for t in range(steps):
+            a, b = hf(step_ids, attn[:, :width + t], pos), lean(step_ids, attn[:, :width + t], pos)
+            assert torch.equal(a, b), f"step {t}: max |diff| {(a - b).abs().max()}"
+            step_ids = torch.multinomial(a.float().softmax(-1), 1, generator=gen)
+            pos = pos[:, -1:] + 1
+            if t == shrink_at:
+                keep = torch.arange(0, step_ids.shape[0], 2)
+                hf.select(keep), lean.select(keep)
+                attn, step_ids, pos = attn[keep], step_ids[keep], pos[keep]
+    return steps
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lean_decode_step_equals_transformers_forward_bit_for_bit(base_manifest, dtype):
+    """engines/decode.LeanQwen3 copies transformers' Qwen3 forward for decoding: its logits are
+    transformers' to the bit, with padded rows (a mask) and without (none), before and after
+    the batch shrinks, so a seeded draw is the same whichever forward runs it."""
+    from pipeline.models.engines.decode import lean_supported
+    engine = TransformersEngine(model_path(base_manifest), dtype=dtype)
+    assert lean_supported(engine.model)
+    tok = engine.tokenizer
+    assert len({len(tok(p)["input_ids"]) for p in PROMPTS}) > 1        # padded rows
+    same_width = ["Q:12\nA:", "Q:34\nA:", "Q:56\nA:", "Q:78\nA:"]
+    assert len({len(tok(p)["input_ids"]) for p in same_width}) == 1    # no padding: no mask
+    for prompts in (PROMPTS * 4, same_width * 4):
+        assert _step_side_by_side(engine.model, prompts, tok, steps=12, shrink_at=4) == 12
+
+
+def test_lean_sampler_draws_what_transformers_forward_draws(base_manifest):
+    """The sampler with the lean decode step (the default) gives the same completions, token ids
+    and log-probs exactly, as with transformers' forward; a model it does not copy (eager
+    attention here) keeps transformers' forward."""
+    from pipeline.models.engines.decode import HFForward, LeanQwen3, lean_supported, sampler_forward
+    lean = TransformersEngine(model_path(base_manifest), batch_prompts=3, dtype="bfloat16")
+    plain = TransformersEngine(model_path(base_manifest), batch_prompts=3, dtype="bfloat16", lean=False)
+    for seed in (1, 2):
+        params = SamplingParams(8, 1.0, 1.0, 20, seed=seed)
+        a, b = lean.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+        rows = [(x, y) for ga, gb in zip(a, b) for x, y in zip(ga, gb)]
+        assert all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in rows)
+        assert len({len(x.token_ids) for x, _ in rows}) > 1       # rows finished at different steps
+    assert isinstance(sampler_forward(lean.model, 30), LeanQwen3)
+    plain.model.set_attn_implementation("eager")
+    assert not lean_supported(plain.model) and isinstance(sampler_forward(plain.model, 30), HFForward)

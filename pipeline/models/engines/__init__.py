@@ -76,8 +76,8 @@ def make_engine(kind: str, model_path: str, batch_prompts: int = 64, threads: in
     dtype = dtype or str(getattr(rollout_cfg, "dtype", "auto"))    # str(): a RolloutConfig's dtype is one
     if kind == "transformers":
         from pipeline.models.engines.hf import TransformersEngine
-        extra = {} if device is None else {"device": device}
-        return TransformersEngine(model_path, batch_prompts=batch_prompts, threads=threads, dtype=dtype, **extra)
+        return TransformersEngine(model_path, batch_prompts=batch_prompts, threads=threads, dtype=dtype,
+                                  device=device or "auto")
     if kind == "vllm":
         return _vllm_engine(model_path, rollout_cfg, seed, dtype, resident)
     raise ValueError(f"unknown engine '{kind}'; known: transformers, vllm")

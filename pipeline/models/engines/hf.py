@@ -3,19 +3,20 @@
 Our own loop rather than `generate()` so that the sampled token's log-prob is read from
 the exact distribution it was drawn from, the random stream is an explicit seeded
 `torch.Generator`, and left-padded prompts get explicit position ids (so the result equals
-a right-padded teacher-forced recompute to ~1e-6, which a test checks). Rows that have
+a right-padded teacher-forced recompute to ~1e-6, which a test checks). Decode steps run on
+transformers' forward or, for Qwen3, on a lean copy of it with the same logits (`decode.py`). Rows that have
 stopped leave the batch (`_worth_shrinking`), and the draw does not depend on when they do
 (`_draw`), so a batch costs the tokens its rows produce.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Callable
 
 import torch
 
 from pipeline.core import interrupt
 from pipeline.models.engines.base import LOGPROBS_MODE, Completion, SamplingParams, check_weights, stop_token_ids
+from pipeline.models.engines.decode import sampler_forward
 from pipeline.models.hf import load_model, load_tokenizer
 from pipeline.models.runtime import resolve_device
 
@@ -28,20 +29,6 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     outside = sorted_p.cumsum(-1) - sorted_p > top_p
     sorted_p = sorted_p.masked_fill(outside, 0.0)
     return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-
-
-def _cache_kwarg(model) -> str:
-    # transformers >= 5.2x renames past_key_values to cache; older releases only know the former
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def _last_logits_kwargs(model) -> dict:
-    """Only the last position's logits: sampling reads nothing else, and the prefill would
-    otherwise build [B, L, V] logits for every prompt position (at Qwen3's V = 151,936 and
-    64 prompts of 500 tokens, 19 GB in bf16). transformers' causal LMs take
-    `logits_to_keep` (an int keeps that many last positions); a model without it gets none."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 def weights_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -87,14 +74,26 @@ class TransformersEngine:
     logprobs_mode = LOGPROBS_MODE
 
     def __init__(self, model_path: str, batch_prompts: int = 64, threads: int = 1, model=None,
-                 device: str = "auto", dtype: str = "auto"):
+                 device: str = "auto", dtype: str = "auto", lean: bool = True):
         torch.set_num_threads(threads)
+        self.lean = lean      # the lean decode step where it copies the model's forward (engines/decode.py)
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(model_path)
         self.dtype = weights_dtype(dtype, self.device)
         self.model = model if model is not None else load_model(model_path, self.dtype).to(self.device)
         self.batch_prompts = batch_prompts
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)     # the same ids vLLM stops on
+
+    @classmethod
+    def from_model(cls, model, tokenizer, stop_ids: list[int], batch_prompts: int = 64,
+                   lean: bool = True) -> "TransformersEngine":
+        """An engine over a model in memory (the base model's warm-up samples the model it is
+        training), on the model's device, in the model's dtype."""
+        engine = cls.__new__(cls)
+        engine.model, engine.tokenizer, engine.stop_ids = model, tokenizer, list(stop_ids)
+        engine.batch_prompts, engine.lean = batch_prompts, lean
+        engine.device, engine.dtype = next(model.parameters()).device, next(model.parameters()).dtype
+        return engine
 
     def generate(self, prompts: list[str], params: SamplingParams,
                  progress: Callable[[int], None] | None = None) -> list[list[Completion]]:
@@ -146,24 +145,22 @@ class TransformersEngine:
         tokens = torch.full((rows, steps), tok.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((rows, steps), device=dev)
         live = torch.arange(rows, device=dev)       # the original row of each row still in the batch
-        past, step_ids, done = None, input_ids, torch.zeros(rows, dtype=torch.bool, device=dev)
-        cache_kw, last_only = _cache_kwarg(model), _last_logits_kwargs(model)
+        step_ids, done = input_ids, torch.zeros(rows, dtype=torch.bool, device=dev)
+        forward = sampler_forward(model, width + steps, self.lean)
         t = 0
         for t in range(steps):
             interrupt.check("generation")        # a safe point: nothing of this batch is kept
-            res = model(input_ids=step_ids, attention_mask=attn[:, :width + t], position_ids=step_pos,
-                        use_cache=True, **{cache_kw: past}, **last_only)
-            nxt, logp = _draw(res.logits[:, -1, :].float(), params, gen, live, rows)
+            logits = forward(step_ids, attn[:, :width + t], step_pos)
+            nxt, logp = _draw(logits.float(), params, gen, live, rows)
             nxt = torch.where(done, torch.full_like(nxt, tok.pad_token_id), nxt)
             tokens[live, t], logps[live, t] = nxt, logp.gather(1, nxt[:, None]).squeeze(1)
             done = done | torch.isin(nxt, stops)
             if bool(done.all()):
                 break
-            past = getattr(res, "cache", None) or res.past_key_values
             step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
             if _worth_shrinking(done):
                 keep = (~done).nonzero().squeeze(1)
-                past.batch_select_indices(keep)
+                forward.select(keep)
                 live, attn, step_ids, step_pos, done = live[keep], attn[keep], step_ids[keep], step_pos[keep], done[keep]
         return self._completions(tokens[:, :t + 1], logps[:, :t + 1], set(stops.tolist()), params.logprobs)
 
