@@ -21,7 +21,9 @@ figures a section had before it failed):
       QK^T and AV products (2 l_i^2 H d a layer forward, times 3 with backward; L layers,
       H heads of d). Padding does no useful work, so the packed layout's gain shows as MFU.
       The reference forward and checkpoint recompute count as overhead.
-  (b) the transformers engine's generation tokens/s (64 prompts x 256 new tokens).
+  (b) the transformers engine's generation tokens/s (64 prompts x 256 new tokens), with the
+      lean decode step against transformers' forward: the time ratio, and whether every
+      token drawn is the same (it must be: the logits are equal bit for bit).
   (c) vLLM's generation tokens/s through the project's VLLMEngine, or "vllm: not installed".
 
 Uses from the project: pipeline.models.runtime.make_runtime (Runtime.prepare / prepare_reference),
@@ -240,15 +242,21 @@ def transformers_section(folder: Path, g: dict, device: torch.device, threads: i
     load_s = time.perf_counter() - t0
     prompts = corpus(g["gen_prompts"], seed=7)
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=g["gen_tokens"], seed=0)
-    sync(device)
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    sync(device)
-    secs = time.perf_counter() - t0
-    tokens = sum(len(c.token_ids) for grp in outs for c in grp)
+    timed = {}
+    for lean in (False, True):      # transformers' forward, then the lean decode step (engines/decode.py)
+        engine.lean = lean
+        sync(device)
+        t0 = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        sync(device)
+        timed[lean] = (time.perf_counter() - t0, [c.token_ids for grp in outs for c in grp])
+    secs, ids = timed[True]
+    tokens = sum(map(len, ids))
     r = {"device": kwargs["device"], "prompts": len(prompts), "max_new_tokens": g["gen_tokens"],
          "tokens": tokens, "load_seconds": round(load_s, 2), "seconds": round(secs, 2),
-         "tokens_per_s": round(tokens / secs, 1)}
+         "tokens_per_s": round(tokens / secs, 1),
+         "lean_over_transformers_seconds": round(secs / timed[False][0], 3),
+         "lean_draws_the_same_tokens": ids == timed[False][1]}
     print(json.dumps(r))
     return r
 

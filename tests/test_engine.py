@@ -156,6 +156,23 @@ def test_lean_decode_step_equals_transformers_forward_bit_for_bit(base_manifest,
         assert _step_side_by_side(engine.model, prompts, tok, steps=12, shrink_at=4) == 12
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_decode_step_equals_transformers_forward_with_grouped_query_heads(base_manifest, dtype):
+    """Qwen3 models past the tiny one share key/value heads between query heads (Qwen3-1.7B: 16
+    query heads, 8 key/value heads), which transformers' SDPA function handles its own way for
+    one query (pack_gqa); the lean step calls that function, so the logits still match bit for bit."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from pipeline.models.engines.decode import lean_supported
+    tok = TransformersEngine(model_path(base_manifest)).tokenizer
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, intermediate_size=128, pad_token_id=tok.pad_token_id)
+    model = Qwen3ForCausalLM(config).to(dtype).eval()
+    assert lean_supported(model) and model.model.layers[0].self_attn.num_key_value_groups == 2
+    assert _step_side_by_side(model, PROMPTS * 4, tok, steps=10, shrink_at=3) == 10
+
+
 def test_lean_sampler_draws_what_transformers_forward_draws(base_manifest):
     """The sampler with the lean decode step (the default) gives the same completions, token ids
     and log-probs exactly, as with transformers' forward; a model it does not copy (eager
