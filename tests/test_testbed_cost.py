@@ -28,3 +28,17 @@ def test_trl_compare_runs(base_manifest, capsys):
     result = trl_compare.main(["--preset", "smoke", "--steps", "2"])
     assert result["trl_s_per_step"] > 0 and result["ggpo_s_per_step"] > 0
     assert "ggpo / TRL per step" in capsys.readouterr().out
+
+
+def test_decode_step_benchmark_runs_and_draws_the_same(base_manifest, capsys):
+    """benchmarks/decode_step.py at tiny sizes: both forwards time, and their draws agree."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import decode_step
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    result = decode_step.main(["--preset", "smoke", "--prompts", "2", "5", "--draws", "2", "--reps", "2"])
+    assert result["lean_supported"]        # the built-in tiny model: the lean step really runs
+    sizes = [v for k, v in result.items() if k.startswith("rows_")]
+    assert len(sizes) == 2 and all(s["same_draws"] and s["lean_over_transformers"] > 0 for s in sizes)
+    assert "lean / transformers" in capsys.readouterr().out
