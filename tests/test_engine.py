@@ -114,10 +114,11 @@ def test_finished_rows_leaving_the_batch_change_no_draw(base_manifest, monkeypat
     assert max(abs(x - y) for a, b in pairs for x, y in zip(a.logprobs, b.logprobs)) <= tol
 
 
-def _step_side_by_side(model, prompts: list[str], tok, steps: int, shrink_at: int) -> int:
+def _step_side_by_side(model, prompts: list[str], tok, steps: int, shrink_at: int, room: int = 64) -> int:
     """transformers' forward and the lean decode step fed the same tokens (drawn from the
     former's logits), their logits compared bit for bit at every step; at step `shrink_at` the
-    batch keeps every other row. Returns the number of steps compared."""
+    batch keeps every other row; the lean cache starts `room` columns past the prompt (a small
+    one makes it grow). Returns the number of steps compared."""
     from pipeline.models.engines.decode import HFForward, LeanQwen3
     ids = [tok(p)["input_ids"] for p in prompts]
     width = max(map(len, ids))
@@ -125,7 +126,7 @@ def _step_side_by_side(model, prompts: list[str], tok, steps: int, shrink_at: in
     attn[:, :width] = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
     step_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])
     pos = (attn[:, :width].cumsum(-1) - 1).clamp(min=0)
-    hf, lean = HFForward(model), LeanQwen3(model, width + steps)
+    hf, lean = HFForward(model), LeanQwen3(model, width + steps, room)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for t in range(steps):
@@ -154,6 +155,7 @@ def test_lean_decode_step_equals_transformers_forward_bit_for_bit(base_manifest,
     assert len({len(tok(p)["input_ids"]) for p in same_width}) == 1    # no padding: no mask
     for prompts in (PROMPTS * 4, same_width * 4):
         assert _step_side_by_side(engine.model, prompts, tok, steps=12, shrink_at=4) == 12
+        assert _step_side_by_side(engine.model, prompts, tok, steps=12, shrink_at=4, room=2) == 12   # the cache grows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

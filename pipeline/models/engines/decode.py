@@ -11,8 +11,8 @@ arguments through every layer at every step (measured on the tiny model, bf16, o
 1.3 / 2.3 / 11.2 ms a step at 8 / 64 / 512 rows against 0.8 / 1.8 / 9.9 for `LeanQwen3`).
 `LeanQwen3` calls the model's own modules and transformers' own SDPA attention function, in
 the order transformers' Qwen3 forward does, with the mask transformers would build (a boolean
-[b, 1, 1, L] padding mask, or none when no row is padded), over a key/value cache allocated
-once for the whole draw. Its logits equal transformers' bit for bit (tests/test_engine.py
+[b, 1, 1, L] padding mask, or none when no row is padded), over a key/value cache written
+in place (grown by doubling). Its logits equal transformers' bit for bit (tests/test_engine.py
 checks it at every step, padded and unpadded, shrinking batches included), so a seeded draw,
 and with it every pool and cache key, is what transformers' forward gives. It serves only the
 models whose forward it copies (`lean_supported`); every other model keeps transformers'.
@@ -60,20 +60,23 @@ def lean_supported(model) -> bool:
     """The models whose forward `LeanQwen3` copies: transformers' Qwen3 with SDPA attention,
     every layer full attention, no hub kernels swapped in."""
     cfg = getattr(model, "config", None)
-    return (type(model).__name__ == "Qwen3ForCausalLM" and cfg is not None
+    layer_types = getattr(cfg, "layer_types", None)
+    return (type(model).__name__ == "Qwen3ForCausalLM" and cfg is not None and layer_types is not None
             and getattr(cfg, "_attn_implementation", None) == "sdpa"
-            and all(t == "full_attention" for t in cfg.layer_types[:cfg.num_hidden_layers])
+            and all(t == "full_attention" for t in layer_types[:cfg.num_hidden_layers])
             and not getattr(model, "use_kernels", False))
 
 
 class LeanQwen3:
     """Prefill by transformers' forward, then decode steps of the same arithmetic (see the
-    module docstring) over preallocated keys and values [b, kv_heads, capacity, head_dim]."""
+    module docstring) over preallocated keys and values [b, kv_heads, columns, head_dim],
+    written in place; `room` columns past the prompt at first, doubled when full, never more
+    than `capacity` (prompt width + the draw's max_new_tokens)."""
 
-    def __init__(self, model, capacity: int):
+    def __init__(self, model, capacity: int, room: int = 64):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-        self.model, self.capacity = model, capacity
+        self.model, self.capacity, self.room = model, capacity, room
         self.attention, self.rotary = sdpa_attention_forward, apply_rotary_pos_emb
         self.prefill: HFForward | None = HFForward(model)
         self.keys: list[torch.Tensor] = []
@@ -88,12 +91,29 @@ class LeanQwen3:
         return self._step(ids, attention_mask, position_ids)
 
     def _take_cache(self, past, width: int) -> None:
-        """The prefill's keys and values copied into buffers that hold the whole draw."""
+        """The prefill's keys and values copied into buffers with `room` more columns."""
+        columns = min(self.capacity, width + self.room)
         for layer in past.layers:
             for src, out in ((layer.keys, self.keys), (layer.values, self.values)):
-                buf = src.new_empty((src.shape[0], src.shape[1], self.capacity, src.shape[3]))
+                buf = src.new_empty((src.shape[0], src.shape[1], columns, src.shape[3]))
                 buf[:, :, :width] = src
                 out.append(buf)
+
+    def _make_room(self, length: int) -> None:
+        """Buffers that hold `length` columns: doubled (up to the capacity) when full. Not the
+        whole capacity at once: a long budget (3,072 new tokens at Qwen3-1.7B: 28 layers x 8 heads
+        x 128) would reserve for every row the memory of the longest possible response, where
+        most rows stop early and leave the batch; doubling copies each column O(1) times."""
+        have = self.keys[0].shape[2]
+        if length <= have:
+            return
+        columns = min(self.capacity, max(length, 2 * have))
+
+        def grown(buf: torch.Tensor) -> torch.Tensor:
+            out = buf.new_empty((buf.shape[0], buf.shape[1], columns, buf.shape[3]))
+            out[:, :, :have] = buf
+            return out
+        self.keys, self.values = [grown(k) for k in self.keys], [grown(v) for v in self.values]
 
     def select(self, keep: torch.Tensor) -> None:
         self.keys = [k[keep] for k in self.keys]
@@ -105,6 +125,7 @@ class LeanQwen3:
         gives SDPA for one query: none when no key is padding (the kernel then runs unmasked),
         else the padding mask as booleans [b, 1, 1, L]."""
         m, length = self.model.model, attention_mask.shape[1]
+        self._make_room(length)
         mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
         hidden = m.embed_tokens(ids)
         cos, sin = m.rotary_emb(hidden, position_ids)

@@ -4,8 +4,8 @@ Our own loop rather than `generate()` so that the sampled token's log-prob is re
 the exact distribution it was drawn from, the random stream is an explicit seeded
 `torch.Generator`, and left-padded prompts get explicit position ids (so the result equals
 a right-padded teacher-forced recompute to ~1e-6, which a test checks). Decode steps run on
-transformers' forward or, for Qwen3, on a lean copy of it with the same logits (`decode.py`). Rows that have
-stopped leave the batch (`_worth_shrinking`), and the draw does not depend on when they do
+transformers' forward or, for Qwen3, on a lean copy of it with the same logits (`decode.py`).
+Rows that have stopped leave the batch (`_worth_shrinking`), and the draw does not depend on when they do
 (`_draw`), so a batch costs the tokens its rows produce.
 """
 from __future__ import annotations
