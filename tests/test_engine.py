@@ -120,12 +120,9 @@ def _step_side_by_side(model, prompts: list[str], tok, steps: int, shrink_at: in
     batch keeps every other row; the lean cache starts `room` columns past the prompt (a small
     one makes it grow). Returns the number of steps compared."""
     from pipeline.models.engines.decode import HFForward, LeanQwen3
-    ids = [tok(p)["input_ids"] for p in prompts]
-    width = max(map(len, ids))
-    attn = torch.ones((len(ids), width + steps), dtype=torch.long)
-    attn[:, :width] = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-    step_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids])
-    pos = (attn[:, :width].cumsum(-1) - 1).clamp(min=0)
+    from pipeline.models.engines.hf import left_padded
+    step_ids, attn, pos = left_padded([tok(p)["input_ids"] for p in prompts], tok.pad_token_id, steps)
+    width = step_ids.shape[1]
     hf, lean = HFForward(model), LeanQwen3(model, width + steps, room)
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():

@@ -67,6 +67,13 @@ def lean_supported(model) -> bool:
             and not getattr(model, "use_kernels", False))
 
 
+def _widened(buf: torch.Tensor, columns: int) -> torch.Tensor:
+    """buf [b, heads, L, d] copied into the first L of `columns` positions (the rest unset)."""
+    out = buf.new_empty((buf.shape[0], buf.shape[1], columns, buf.shape[3]))
+    out[:, :, :buf.shape[2]] = buf
+    return out
+
+
 class LeanQwen3:
     """Prefill by transformers' forward, then decode steps of the same arithmetic (see the
     module docstring) over preallocated keys and values [b, kv_heads, columns, head_dim],
@@ -93,11 +100,8 @@ class LeanQwen3:
     def _take_cache(self, past, width: int) -> None:
         """The prefill's keys and values copied into buffers with `room` more columns."""
         columns = min(self.capacity, width + self.room)
-        for layer in past.layers:
-            for src, out in ((layer.keys, self.keys), (layer.values, self.values)):
-                buf = src.new_empty((src.shape[0], src.shape[1], columns, src.shape[3]))
-                buf[:, :, :width] = src
-                out.append(buf)
+        self.keys = [_widened(layer.keys, columns) for layer in past.layers]
+        self.values = [_widened(layer.values, columns) for layer in past.layers]
 
     def _make_room(self, length: int) -> None:
         """Buffers that hold `length` columns: doubled (up to the capacity) when full. Not the
@@ -105,15 +109,10 @@ class LeanQwen3:
         x 128) would reserve for every row the memory of the longest possible response, where
         most rows stop early and leave the batch; doubling copies each column O(1) times."""
         have = self.keys[0].shape[2]
-        if length <= have:
-            return
-        columns = min(self.capacity, max(length, 2 * have))
-
-        def grown(buf: torch.Tensor) -> torch.Tensor:
-            out = buf.new_empty((buf.shape[0], buf.shape[1], columns, buf.shape[3]))
-            out[:, :, :have] = buf
-            return out
-        self.keys, self.values = [grown(k) for k in self.keys], [grown(v) for v in self.values]
+        if length > have:
+            columns = min(self.capacity, max(length, 2 * have))
+            self.keys = [_widened(k, columns) for k in self.keys]
+            self.values = [_widened(v, columns) for v in self.values]
 
     def select(self, keep: torch.Tensor) -> None:
         self.keys = [k[keep] for k in self.keys]

@@ -60,6 +60,19 @@ def _draw(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, li
     return (probs / noise[live]).argmax(-1), logp
 
 
+def left_padded(ids: list[list[int]], pad_id: int, steps: int,
+                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids [B, W], attention mask [B, W + steps], position ids [B, W]) of prompts `ids`
+    left-padded to the longest, W. The mask of every step is allocated once (the prompt part,
+    then ones for the new tokens) and read through a growing slice: no torch.cat per step.
+    Positions count real tokens only, so a padded row's positions equal an unpadded one's."""
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[pad_id] * (width - len(x)) + x for x in ids], device=device)
+    attn = torch.ones((len(ids), width + steps), dtype=torch.long, device=device)
+    attn[:, :width] = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=device)
+    return input_ids, attn, (attn[:, :width].cumsum(-1) - 1).clamp(min=0)
+
+
 def _worth_shrinking(done: torch.Tensor) -> bool:
     """Drop the finished rows once they are a quarter of the batch: each drop copies the KV
     cache, so dropping at every finished row costs much of what it saves; at a quarter the
@@ -134,13 +147,9 @@ class TransformersEngine:
         tok, model, dev = self.tokenizer, self.model, self.device
         model.eval()
         ids = [tok(p)["input_ids"] for p in prompts]
-        rows, width, steps = len(ids), max(map(len, ids)), params.max_new_tokens
-        input_ids = torch.tensor([[tok.pad_token_id] * (width - len(x)) + x for x in ids], device=dev)
-        # the mask of every step allocated once (prompt part, then ones for the new tokens), read
-        # through a growing slice: no torch.cat per step
-        attn = torch.ones((rows, width + steps), dtype=torch.long, device=dev)
-        attn[:, :width] = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=dev)
-        step_pos = (attn[:, :width].cumsum(-1) - 1).clamp(min=0)
+        rows, steps = len(ids), params.max_new_tokens
+        input_ids, attn, step_pos = left_padded(ids, tok.pad_token_id, steps, dev)
+        width = input_ids.shape[1]
         stops = torch.tensor(self.stop_ids, device=dev)
         tokens = torch.full((rows, steps), tok.pad_token_id, dtype=torch.long, device=dev)
         logps = torch.zeros((rows, steps), device=dev)
