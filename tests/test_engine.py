@@ -185,6 +185,31 @@ def test_lean_sampler_draws_what_transformers_forward_draws(base_manifest):
         rows = [(x, y) for ga, gb in zip(a, b) for x, y in zip(ga, gb)]
         assert all(x.token_ids == y.token_ids and x.logprobs == y.logprobs for x, y in rows)
         assert len({len(x.token_ids) for x, _ in rows}) > 1       # rows finished at different steps
+    assert lean.lean and lean.lean_checked          # its first draw checked the lean step, and kept it
     assert isinstance(sampler_forward(lean.model, 30), LeanQwen3)
     plain.model.set_attn_implementation("eager")
     assert not lean_supported(plain.model) and isinstance(sampler_forward(plain.model, 30), HFForward)
+
+
+def test_a_lean_step_that_differs_is_dropped_and_the_draw_is_transformers(base_manifest, monkeypatch, caplog):
+    """Each engine's first decode step runs both forwards: a lean step whose logits differ (here
+    by one ulp at one entry, as another transformers release or a GPU kernel might) is dropped
+    with one warning, and the draws are transformers' forward's, token for token."""
+    from pipeline.models.engines import decode
+    plain = TransformersEngine(model_path(base_manifest), batch_prompts=3, dtype="bfloat16", lean=False)
+    engine = TransformersEngine(model_path(base_manifest), batch_prompts=3, dtype="bfloat16")
+    step = decode.LeanQwen3._step
+
+    def off_by_one_ulp(self, *args):
+        logits = step(self, *args)
+        logits[0, 0] = torch.nextafter(logits[0, 0], torch.tensor(float("inf"), dtype=logits.dtype))
+        return logits
+    monkeypatch.setattr(decode.LeanQwen3, "_step", off_by_one_ulp)
+    params = SamplingParams(8, 1.0, 1.0, 20, seed=4)
+    with caplog.at_level("WARNING", logger="ggpo"):
+        a = engine.generate(PROMPTS, params)
+    assert not engine.lean and not engine.lean_checked
+    assert sum("lean decode step's logits differ" in r.getMessage() for r in caplog.records) == 1
+    b = plain.generate(PROMPTS, params)
+    assert [x.token_ids for g in a for x in g] == [y.token_ids for g in b for y in g]
+    assert [x.logprobs for g in a for x in g] == [y.logprobs for g in b for y in g]

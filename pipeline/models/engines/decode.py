@@ -15,7 +15,11 @@ the order transformers' Qwen3 forward does, with the mask transformers would bui
 in place (grown by doubling). Its logits equal transformers' bit for bit (tests/test_engine.py
 checks it at every step, padded and unpadded, shrinking batches included), so a seeded draw,
 and with it every pool and cache key, is what transformers' forward gives. It serves only the
-models whose forward it copies (`lean_supported`); every other model keeps transformers'.
+models whose forward it copies (`lean_supported`); every other model keeps transformers'. As
+that copy is of one transformers release's forward (and a GPU's kernels are not this CPU's),
+each engine checks it once more where it runs: its first decode step runs both forwards and
+compares the logits; on any difference the engine warns and keeps transformers' forward
+(`TransformersEngine._sample`), so a draw is always transformers'.
 """
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ class LeanQwen3:
     written in place; `room` columns past the prompt at first, doubled when full, never more
     than `capacity` (prompt width + the draw's max_new_tokens)."""
 
-    def __init__(self, model, capacity: int, room: int = 64):
+    def __init__(self, model, capacity: int, room: int = 64, check: bool = False):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
         self.model, self.capacity, self.room = model, capacity, room
@@ -88,14 +92,27 @@ class LeanQwen3:
         self.prefill: HFForward | None = HFForward(model)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        # check: the first decode step also runs transformers' forward and compares (`equal`);
+        # on a difference transformers' forward serves the rest of the draw (`theirs`)
+        self.check = check
+        self.equal: bool | None = None
+        self.theirs: HFForward | None = None
 
     def __call__(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.prefill is not None:
             logits = self.prefill(ids, attention_mask, position_ids)
             self._take_cache(self.prefill.past, attention_mask.shape[1])
+            self.theirs = self.prefill if self.check else None
             self.prefill = None
             return logits
-        return self._step(ids, attention_mask, position_ids)
+        if self.theirs is None:
+            return self._step(ids, attention_mask, position_ids)
+        logits = self.theirs(ids, attention_mask, position_ids)
+        if self.equal is None:
+            self.equal = torch.equal(self._step(ids, attention_mask, position_ids), logits)
+            if self.equal:
+                self.theirs = None
+        return logits
 
     def _take_cache(self, past, width: int) -> None:
         """The prefill's keys and values copied into buffers with `room` more columns."""
@@ -117,6 +134,8 @@ class LeanQwen3:
     def select(self, keep: torch.Tensor) -> None:
         self.keys = [k[keep] for k in self.keys]
         self.values = [v[keep] for v in self.values]
+        if self.theirs is not None:
+            self.theirs.select(keep)
 
     def _step(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Qwen3Model.forward then Qwen3ForCausalLM's head, for one new token a row: the same
@@ -151,6 +170,7 @@ class LeanQwen3:
         return attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
 
 
-def sampler_forward(model, capacity: int, lean: bool = True) -> HFForward | LeanQwen3:
-    """The forward a draw of at most `capacity` tokens a row (prompt + new) runs on."""
-    return LeanQwen3(model, capacity) if lean and lean_supported(model) else HFForward(model)
+def sampler_forward(model, capacity: int, lean: bool = True, check: bool = False) -> HFForward | LeanQwen3:
+    """The forward a draw of at most `capacity` tokens a row (prompt + new) runs on; `check`:
+    the lean step proves itself against transformers' forward on its first step (LeanQwen3)."""
+    return LeanQwen3(model, capacity, check=check) if lean and lean_supported(model) else HFForward(model)

@@ -10,15 +10,18 @@ Rows that have stopped leave the batch (`_worth_shrinking`), and the draw does n
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from pipeline.core import interrupt
 from pipeline.models.engines.base import LOGPROBS_MODE, Completion, SamplingParams, check_weights, stop_token_ids
-from pipeline.models.engines.decode import sampler_forward
+from pipeline.models.engines.decode import LeanQwen3, sampler_forward
 from pipeline.models.hf import load_model, load_tokenizer
 from pipeline.models.runtime import resolve_device
+
+log = logging.getLogger("ggpo")
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -90,6 +93,7 @@ class TransformersEngine:
                  device: str = "auto", dtype: str = "auto", lean: bool = True):
         torch.set_num_threads(threads)
         self.lean = lean      # the lean decode step where it copies the model's forward (engines/decode.py)
+        self.lean_checked = False   # set once a draw's first decode step found both forwards equal
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(model_path)
         self.dtype = weights_dtype(dtype, self.device)
@@ -104,7 +108,7 @@ class TransformersEngine:
         training), on the model's device, in the model's dtype."""
         engine = cls.__new__(cls)
         engine.model, engine.tokenizer, engine.stop_ids = model, tokenizer, list(stop_ids)
-        engine.batch_prompts, engine.lean = batch_prompts, lean
+        engine.batch_prompts, engine.lean, engine.lean_checked = batch_prompts, lean, False
         engine.device, engine.dtype = next(model.parameters()).device, next(model.parameters()).dtype
         return engine
 
@@ -155,7 +159,7 @@ class TransformersEngine:
         logps = torch.zeros((rows, steps), device=dev)
         live = torch.arange(rows, device=dev)       # the original row of each row still in the batch
         step_ids, done = input_ids, torch.zeros(rows, dtype=torch.bool, device=dev)
-        forward = sampler_forward(model, width + steps, self.lean)
+        forward = sampler_forward(model, width + steps, self.lean, check=not self.lean_checked)
         t = 0
         for t in range(steps):
             interrupt.check("generation")        # a safe point: nothing of this batch is kept
@@ -171,7 +175,19 @@ class TransformersEngine:
                 keep = (~done).nonzero().squeeze(1)
                 forward.select(keep)
                 live, attn, step_ids, step_pos, done = live[keep], attn[keep], step_ids[keep], step_pos[keep], done[keep]
+        self._note_check(forward)
         return self._completions(tokens[:, :t + 1], logps[:, :t + 1], set(stops.tolist()), params.logprobs)
+
+    def _note_check(self, forward) -> None:
+        """The lean step's check (decode.LeanQwen3): kept on equal logits, else dropped for this
+        engine with one warning (the draw already used transformers' logits)."""
+        if not isinstance(forward, LeanQwen3) or forward.equal is None:
+            return          # no check ran (transformers' forward, or no decode step)
+        self.lean_checked = forward.equal
+        if not forward.equal:
+            self.lean = False
+            log.warning("the lean decode step's logits differ from transformers' forward for %s (transformers %s); "
+                        "the sampler uses transformers' forward", type(self.model).__name__, _transformers_version())
 
     def _completions(self, tokens: torch.Tensor, logps: torch.Tensor, stops: set[int],
                      with_logprobs: bool = True) -> list[Completion]:
@@ -185,3 +201,8 @@ class TransformersEngine:
                 finish_reason="stop" if end else "length",
                 text=self.tokenizer.decode(row_t[:n], skip_special_tokens=True)))
         return result
+
+
+def _transformers_version() -> str:
+    import transformers
+    return transformers.__version__
