@@ -221,8 +221,9 @@ class ExperimentConfig(Section):
     # method names, or names defined in `variants`
     methods: list[str] = ["grpo"]
     seeds: list[int] = [42]
-    # stage builds at once (threads; torch ops release the GIL: 1.75x on 2 cores with 2).
-    # Results do not depend on it. Use 1 on a single GPU.
+    # stage builds at once (2 cells side by side: 1.06x one alone in threads, 1.21x in worker
+    # processes on this 2-core machine, benchmarks/runner_parallelism.py). Results do not
+    # depend on it. Use 1 on a single GPU.
     parallel: int = Field(2, ge=1)
     # config fields to sweep, every combination a cell: {"train.lr": [1e-5, 1e-4]}
     grid: dict[str, list[Any]] = {}
@@ -322,6 +323,10 @@ class OnlineConfig(Section):
     # policy there is the cell's final, the report marks the stop). Not in a key
     max_round_drift: float | None = Field(None, gt=0)
     on_drift: Literal["warn", "stop"] = "warn"
+    # measure round_drift (one no-grad forward of a seeded sample, pipeline/training/drift.py)
+    # after every this many rounds (and the last); max_round_drift checks only measured rounds.
+    # Not in a key: a diagnostic, not content
+    drift_every: int = Field(1, ge=1)
 
     # rounds between an online cell's rolling checkpoints (the last 2 are kept, and one at the
     # end); "auto": every ceil(16 / N) rounds, about one per 16 updates: at the paper's scale
