@@ -10,19 +10,26 @@ its reference: AdamW creates its moments at the first step, gradients and activa
 with the first update. A share measured from the free memory then (the old rule) gave vLLM
 ~119 GiB of an H200, and after round 0's updates it woke into ~21 GiB: out of memory.
 
-So the share is planned from the learner's largest footprint on the sampler's GPU, computed
-here from the model's shape and the training config, not measured:
+So the share is planned from the learner's footprint, computed here from the model's shape
+and the training config, not measured, and only where the two really coexist. vLLM is
+awake while it samples and asleep while the learner trains; between the last update and
+the wake the learner's gradients are freed (zero_grad(set_to_none)), its activations and
+the head's blocks are gone, and `release_device_memory` hands the allocator's cached
+blocks back. So:
 
+    wake      = weights + AdamW moments + reference (+ the gathered full weights under
+                torchrun: rank 0 holds them while the sampler wakes and samples; one
+                process shares its own parameters, no copy)
     train     = weights + gradients + AdamW moments + reference + FSDP buffers
                 + activations at the token budget + the chunked LM head's blocks
     step      = weights + gradients + AdamW moments + reference + one more copy of the
                 weights (the foreach AdamW's temporaries)
-    sync      = weights + AdamW moments + reference + the gathered full weights (torchrun:
-                rank 0 holds them while the sampler wakes; one process shares its own)
-    learner   = max(train, step, sync)
-    sampler   = GPU - learner - reserve         (reserve: CUDA contexts, vLLM's memory while
-                                                 asleep, allocator fragmentation)
+    peak      = max(train, step, wake)          (vLLM asleep, except at wake)
+    reserve   = RESERVE_BYTES + RESERVE_SHARE x peak   (CUDA contexts, vLLM's memory while
+                asleep; allocator fragmentation: what release_device_memory cannot return)
+    sampler   = GPU - wake - reserve            (awake: beside the learner at wake)
     share     = sampler / GPU                   -> vLLM's gpu_memory_utilization
+and the training peak must fit beside the sleeping sampler: peak + reserve <= GPU.
 
 Under FSDP (train.nproc > 1) weights, gradients and moments are sharded over the ranks; the
 reference is replicated; the root's parameters (embeddings) stay unsharded through forward
@@ -108,7 +115,8 @@ class LearnerSetup:
 class SamplerMemory:
     gpu_bytes: int
     parts: dict[str, int] = field(hash=False)      # the learner's footprint, by part (bytes)
-    learner_bytes: int
+    wake_bytes: int                 # what the learner holds while the sampler is awake
+    peak_bytes: int                 # its training peak, while the sampler sleeps
     reserve_bytes: int
     sampler_bytes: int
 
@@ -117,10 +125,17 @@ class SamplerMemory:
         return self.sampler_bytes / self.gpu_bytes
 
     def describe(self) -> str:
-        parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in self.parts.items())
-        return (f"GPU {self.gpu_bytes / GiB:.1f} GiB: learner at most {self.learner_bytes / GiB:.1f} GiB ({parts}), "
-                f"reserve {self.reserve_bytes / GiB:.1f}, sampler {self.sampler_bytes / GiB:.1f} GiB "
-                f"(gpu_memory_utilization {self.gpu_memory_utilization:.3f})")
+        held = ", ".join(f"{k} {self.parts[k] / GiB:.1f}" for k in WAKE_PARTS if self.parts.get(k))
+        rest = ", ".join(f"{k} {v / GiB:.1f}" for k, v in self.parts.items() if k not in WAKE_PARTS)
+        return (f"GPU {self.gpu_bytes / GiB:.1f} GiB: learner holds {self.wake_bytes / GiB:.1f} GiB when the "
+                f"sampler wakes ({held}), {self.peak_bytes / GiB:.1f} GiB at its training peak while the sampler "
+                f"sleeps (besides: {rest}), reserve {self.reserve_bytes / GiB:.1f}, sampler "
+                f"{self.sampler_bytes / GiB:.1f} GiB (gpu_memory_utilization {self.gpu_memory_utilization:.3f})")
+
+
+# what the learner still holds when the sampler wakes: gradients, activations, the head's
+# blocks and FSDP's unsharded buffers are freed by then (module docstring)
+WAKE_PARTS = ("weights", "adamw", "reference", "sync_gather")
 
 
 def learner_parts(shape: ModelShape, setup: LearnerSetup) -> dict[str, int]:
@@ -154,17 +169,22 @@ def learner_parts(shape: ModelShape, setup: LearnerSetup) -> dict[str, int]:
 
 
 def plan_sampler_memory(shape: ModelShape, setup: LearnerSetup, gpu_bytes: int) -> SamplerMemory:
-    """The sampler's share of a `gpu_bytes` GPU beside the learner (module docstring).
-    Raises ValueError, naming the parts, when the learner leaves it under MIN_SHARE."""
+    """The sampler's share of a `gpu_bytes` GPU beside the learner (module docstring): what
+    the learner holds at wake decides it; the training peak only has to fit beside the
+    sleeping sampler. Raises ValueError, naming the parts, when the peak does not fit or
+    the learner leaves the sampler under MIN_SHARE."""
     parts = learner_parts(shape, setup)
-    held = parts["weights"] + parts["adamw"] + parts["reference"]
-    train = held + parts["gradients"] + parts.get("fsdp_buffers", 0) + parts["activations"] + parts["lm_head"]
-    step = held + parts["gradients"] + parts["weights"]
-    sync = held + parts.get("sync_gather", 0)
-    learner = max(train, step, sync)
-    reserve = RESERVE_BYTES + int(RESERVE_SHARE * learner)
-    plan = SamplerMemory(gpu_bytes=gpu_bytes, parts=parts, learner_bytes=learner, reserve_bytes=reserve,
-                         sampler_bytes=gpu_bytes - learner - reserve)
+    wake = sum(parts.get(k, 0) for k in WAKE_PARTS)
+    train = (parts["weights"] + parts["adamw"] + parts["reference"] + parts["gradients"]
+             + parts.get("fsdp_buffers", 0) + parts["activations"] + parts["lm_head"])
+    step = parts["weights"] + parts["adamw"] + parts["reference"] + parts["gradients"] + parts["weights"]
+    peak = max(train, step, wake)
+    reserve = RESERVE_BYTES + int(RESERVE_SHARE * peak)
+    plan = SamplerMemory(gpu_bytes=gpu_bytes, parts=parts, wake_bytes=wake, peak_bytes=peak,
+                         reserve_bytes=reserve, sampler_bytes=gpu_bytes - wake - reserve)
+    if peak + reserve > gpu_bytes:
+        raise ValueError(f"the learner's training peak {peak / GiB:.1f} GiB and the reserve "
+                         f"{reserve / GiB:.1f} GiB do not fit the GPU's {gpu_bytes / GiB:.1f} ({plan.describe()})")
     if plan.gpu_memory_utilization < MIN_SHARE:
         raise ValueError(f"the learner leaves the sampler {max(plan.sampler_bytes, 0) / GiB:.1f} GiB of the GPU's "
                          f"{gpu_bytes / GiB:.1f} ({plan.describe()})")
