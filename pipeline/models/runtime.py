@@ -16,12 +16,21 @@ or on the CPU with `train.reference_device=cpu` (under the CPU's autocast there:
 the policy's values, not bit-equal). Under FSDP with `train.fsdp_param_dtype=bfloat16` the
 policy computes with every parameter in bf16, and so does its reference. Gradient
 checkpointing is transformers' non-reentrant one.
+Attention kernels: on CUDA every forward (the sampler's, the policy's, the reference's, and a
+checkpointed layer's recompute in backward) runs under one explicit SDPA choice,
+`attention_backends`: flash attention, then memory-efficient, then math, in that priority
+and nothing else. Left to itself torch 2.14 puts cuDNN attention first on Hopper with CUDA
+>= 13 and cuDNN > 9.15 (aten's check_prefer_cudnn_attention), whose compiled plans are keyed
+on the KV length and the K/V strides (a new plan at every decode step and padded
+micro-batch shape); with the choice made here cuDNN never decides a draw or a step. On
+the CPU the choice is not made at all (a null context): CPU draws are torch's default ones.
 The loop never asks `torch.cuda` itself: everything device-specific lives here. What a
 run needs before it starts (device, engine, model, data, disk) is pipeline/dag/preflight.py.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -62,6 +71,32 @@ def autocast_parameters(model) -> list[torch.nn.Parameter]:
     return out
 
 
+# The SDPA kernels a CUDA forward may use, in priority order (torch.nn.attention.sdpa_kernel's
+# set_priority: the listed order first; cuDNN, not listed, is disabled). Flash needs no mask;
+# memory-efficient takes the padded batches' boolean masks; math runs anything.
+SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+# the device types whose forwards run under that choice (a test adds "cpu" to put the CPU
+# forwards through the same context and record it)
+ATTENTION_DEVICES = ("cuda",)
+
+
+def attention_backends(device: torch.device | str):
+    """The context every forward on `device` runs under: on CUDA, SDPA restricted to
+    SDPA_BACKENDS in that priority (module docstring); elsewhere a null context, so the
+    CPU's kernels and draws are untouched. A new context each call (enter it once)."""
+    if torch.device(device).type not in ATTENTION_DEVICES:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([getattr(SDPBackend, name) for name in SDPA_BACKENDS], set_priority=True)
+
+
+def _checkpoint_contexts(device: torch.device):
+    """checkpoint's context_fn: the forward and its recompute in backward both under the
+    same attention choice (the recompute runs outside the forward's `with`, and a kernel
+    that differs there would save other tensors than the forward did)."""
+    return attention_backends(device), attention_backends(device)
+
+
 @dataclass(frozen=True)
 class Runtime:
     device: torch.device
@@ -95,7 +130,8 @@ class Runtime:
         """The trained policy: fp32 weights on the device, checkpointing as configured."""
         model = self.attention(model.to(device=self.device, dtype=self.param_dtype))
         if self.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+                "use_reentrant": False, "context_fn": functools.partial(_checkpoint_contexts, self.device)})
             model.config.use_cache = False
         return model
 

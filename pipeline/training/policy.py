@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from pipeline.models import runtime
 from pipeline.training.lm_head import chunked_logprobs, hidden_for_targets, lm_head_weight
 from pipeline.training.packing import bucket_rows
 
@@ -160,7 +161,16 @@ def scatter_rows(flat: torch.Tensor, batch: Batch) -> torch.Tensor:
 def token_logprobs(model, batch: Batch | Buckets, temperature: float = 1.0, with_entropy: bool = False,
                    impl: str = "chunked", chunk_tokens: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(lp [B, T] fp32, entropy [B, T] fp32 or None); lp carries gradient if grad is
-    enabled, entropy never does (a diagnostic). Padding positions hold 0."""
+    enabled, entropy never does (a diagnostic). Padding positions hold 0. The forward runs
+    under the attention kernels chosen for the batch's device (runtime.attention_backends:
+    the policy's, the reference's and the base model's forwards all come through here)."""
+    ids = batch.parts[0].input_ids if isinstance(batch, Buckets) else batch.input_ids
+    with runtime.attention_backends(ids.device):
+        return _token_logprobs(model, batch, temperature, with_entropy, impl, chunk_tokens)
+
+
+def _token_logprobs(model, batch: Batch | Buckets, temperature: float, with_entropy: bool, impl: str,
+                    chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(batch, Buckets):
         return _bucketed_logprobs(model, batch, temperature, with_entropy, impl, chunk_tokens)
     if impl == "full":
@@ -195,7 +205,7 @@ def _bucketed_logprobs(model, buckets: Buckets, temperature: float, with_entropy
     width = buckets.mask.shape[1]
     lps, ents = [], []
     for part in buckets.parts:
-        lp, ent = token_logprobs(model, part, temperature, with_entropy, impl, chunk_tokens)
+        lp, ent = _token_logprobs(model, part, temperature, with_entropy, impl, chunk_tokens)
         lps.append(F.pad(lp, (0, width - lp.shape[1])))
         if ent is not None:
             ents.append(F.pad(ent, (0, width - ent.shape[1])))

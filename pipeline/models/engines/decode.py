@@ -19,7 +19,15 @@ models whose forward it copies (`lean_supported`); every other model keeps trans
 that copy is of one transformers release's forward (and a GPU's kernels are not this CPU's),
 each engine checks it once more where it runs: its first decode step runs both forwards and
 compares the logits; on any difference the engine warns and keeps transformers' forward
-(`TransformersEngine._sample`), so a draw is always transformers'.
+(`TransformersEngine._sample`) and the lean buffers are freed, so a draw is always
+transformers'. The one input that differs later is the keys' and values' layout (views of
+wider buffers, where transformers passes contiguous tensors): each new layout (masked or
+unmasked path, rows, buffer width: after every shrink and growth) is checked once against
+contiguous copies, and the copies are passed from then on if any layer differs.
+
+Padding: the prefill of left-padded rows runs under `prefill_mask`, in which a pad query
+attends to itself instead of to nothing (a query without keys is NaN on some kernels, and a
+NaN pad key reaches real rows); the real rows' logits are unchanged, bit for bit.
 """
 from __future__ import annotations
 
@@ -42,15 +50,44 @@ def _last_logits_kwargs(model) -> dict:
     return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
+def _full_attention_sdpa(model) -> bool:
+    """transformers' SDPA attention and every layer full attention (no sliding window): the
+    models whose prefill mask `prefill_mask` builds."""
+    cfg = getattr(model, "config", None)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    return (cfg is not None and getattr(cfg, "_attn_implementation", None) == "sdpa"
+            and all(t == "full_attention" for t in layer_types[:cfg.num_hidden_layers]))
+
+
+def prefill_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The 4D boolean prefill mask [B, 1, W, W] of left-padded rows (attention_mask [B, W]):
+    what transformers' create_causal_mask gives SDPA (key j <= query i and key j real), except
+    that a pad query, whose keys are all padding, attends to itself. A query with no key at all
+    comes out 0 or NaN depending on the kernel (CPU kernels give 0; GPU ones may give NaN), and
+    a NaN pad key reaches real rows through the next layer's P @ V (0 * NaN). A pad query's
+    output is never read and real queries never attend to pad keys, so the real rows compute
+    exactly what they computed under transformers' own mask (a test checks it bit for bit)."""
+    width = attention_mask.shape[1]
+    real = attention_mask.bool()
+    causal = torch.ones((width, width), dtype=torch.bool, device=real.device).tril()
+    mask = causal[None, None] & real[:, None, None, :]
+    return mask | torch.eye(width, dtype=torch.bool, device=real.device)[None, None]
+
+
 class HFForward:
-    """transformers' forward with its own cache: any causal LM."""
+    """transformers' forward with its own cache: any causal LM. A padded prefill of a model
+    with SDPA full attention gets `prefill_mask` (no query without a key)."""
 
     def __init__(self, model):
         self.model, self.past = model, None
         self.cache_kw, self.last_only = _cache_kwarg(model), _last_logits_kwargs(model)
+        self.pad_safe = _full_attention_sdpa(model)
 
     def __call__(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        res = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+        mask = attention_mask
+        if self.past is None and self.pad_safe and ids.shape[1] > 1 and not bool(attention_mask.all()):
+            mask = prefill_mask(attention_mask)
+        res = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                          **{self.cache_kw: self.past}, **self.last_only)
         self.past = getattr(res, "cache", None) or res.past_key_values
         return res.logits[:, -1, :]
@@ -63,12 +100,8 @@ class HFForward:
 def lean_supported(model) -> bool:
     """The models whose forward `LeanQwen3` copies: transformers' Qwen3 with SDPA attention,
     every layer full attention, no hub kernels swapped in."""
-    cfg = getattr(model, "config", None)
-    layer_types = getattr(cfg, "layer_types", None)
-    return (type(model).__name__ == "Qwen3ForCausalLM" and cfg is not None and layer_types is not None
-            and getattr(cfg, "_attn_implementation", None) == "sdpa"
-            and all(t == "full_attention" for t in layer_types[:cfg.num_hidden_layers])
-            and not getattr(model, "use_kernels", False))
+    return (type(model).__name__ == "Qwen3ForCausalLM" and getattr(model.config, "layer_types", None) is not None
+            and _full_attention_sdpa(model) and not getattr(model, "use_kernels", False))
 
 
 def _widened(buf: torch.Tensor, columns: int) -> torch.Tensor:
@@ -82,9 +115,23 @@ class LeanQwen3:
     """Prefill by transformers' forward, then decode steps of the same arithmetic (see the
     module docstring) over preallocated keys and values [b, kv_heads, columns, head_dim],
     written in place; `room` columns past the prompt at first, doubled when full, never more
-    than `capacity` (prompt width + the draw's max_new_tokens)."""
+    than `capacity` (prompt width + the draw's max_new_tokens).
 
-    def __init__(self, model, capacity: int, room: int = 64, check: bool = False):
+    What it proves where it runs (each check appended to `checks`, one dict each):
+    - `check`: the first decode step also runs transformers' forward and compares the logits
+      (check "forward"); on a difference transformers' forward serves the rest of the draw
+      (`theirs`) and the lean buffers are freed at once.
+    - every attention layout: the only inputs that differ from transformers' are the keys and
+      values, strided views of wider buffers where transformers holds contiguous tensors of
+      the same values. At the first step of each layout not in `verified` (path masked or
+      unmasked, rows, buffer columns: so the first step, and the first after each shrink and
+      each growth) every layer's attention also runs on contiguous copies (check "attention");
+      that step uses the copies' output, and on any difference every later step passes the
+      copies too (`contiguous`), as transformers does. `verified` is the engine's, kept across
+      draws."""
+
+    def __init__(self, model, capacity: int, room: int = 64, check: bool = False,
+                 verified: set | None = None):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
         self.model, self.capacity, self.room = model, capacity, room
@@ -92,11 +139,13 @@ class LeanQwen3:
         self.prefill: HFForward | None = HFForward(model)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        # check: the first decode step also runs transformers' forward and compares (`equal`);
-        # on a difference transformers' forward serves the rest of the draw (`theirs`)
         self.check = check
         self.equal: bool | None = None
         self.theirs: HFForward | None = None
+        self.verified: set = verified if verified is not None else set()
+        self.contiguous = False
+        self.checks: list[dict] = []
+        self.steps = 0          # decode steps so far
 
     def __call__(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.prefill is not None:
@@ -105,14 +154,24 @@ class LeanQwen3:
             self.theirs = self.prefill if self.check else None
             self.prefill = None
             return logits
+        self.steps += 1
         if self.theirs is None:
             return self._step(ids, attention_mask, position_ids)
         logits = self.theirs(ids, attention_mask, position_ids)
         if self.equal is None:
-            self.equal = torch.equal(self._step(ids, attention_mask, position_ids), logits)
+            mine = self._step(ids, attention_mask, position_ids)
+            self.equal = torch.equal(mine, logits)
+            self.checks.append(self._record("forward", attention_mask, self.equal))
             if self.equal:
-                self.theirs = None
+                self.theirs = None          # transformers' cache goes
+            else:
+                self.keys, self.values = [], []     # the lean buffers go: transformers' serves the draw
         return logits
+
+    def _record(self, kind: str, attention_mask: torch.Tensor, equal: bool) -> dict:
+        return {"check": kind, "step": self.steps, "path": "unmasked" if bool(attention_mask.all()) else "masked",
+                "rows": attention_mask.shape[0], "columns": self.keys[0].shape[2] if self.keys else None,
+                "equal": equal}
 
     def _take_cache(self, past, width: int) -> None:
         """The prefill's keys and values copied into buffers with `room` more columns."""
@@ -137,6 +196,15 @@ class LeanQwen3:
         if self.theirs is not None:
             self.theirs.select(keep)
 
+    def _layout(self, mask: torch.Tensor | None, rows: int, length: int) -> tuple | None:
+        """The attention layout this step uses, if it still needs its check (None: views that
+        are contiguous already, copies passed anyway, or a layout verified before)."""
+        columns = self.keys[0].shape[2]
+        if self.contiguous or columns == length:
+            return None
+        layout = ("unmasked" if mask is None else "masked", rows, columns)
+        return None if layout in self.verified else layout
+
     def _step(self, ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """Qwen3Model.forward then Qwen3ForCausalLM's head, for one new token a row: the same
         modules and functions in the same order. The mask is what transformers' create_causal_mask
@@ -145,19 +213,31 @@ class LeanQwen3:
         m, length = self.model.model, attention_mask.shape[1]
         self._make_room(length)
         mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+        layout = self._layout(mask, ids.shape[0], length)
+        same: list[bool] = []
         hidden = m.embed_tokens(ids)
         cos, sin = m.rotary_emb(hidden, position_ids)
         for i, layer in enumerate(m.layers[:m.config.num_hidden_layers]):
             residual = hidden
-            hidden = residual + self._attend(layer.self_attn, layer.input_layernorm(hidden), cos, sin, mask, i, length)
+            out = self._attend(layer.self_attn, layer.input_layernorm(hidden), cos, sin, mask, i, length,
+                               same if layout is not None else None)
+            hidden = residual + out
             residual = hidden
             hidden = residual + layer.mlp(layer.post_attention_layernorm(hidden))
+        if layout is not None:
+            self.checks.append(self._record("attention", attention_mask, all(same)))
+            if all(same):
+                self.verified.add(layout)
+            else:
+                self.contiguous = True
         hidden = m.norm(hidden)
         return self.model.lm_head(hidden[:, -1:, :])[:, -1, :]
 
     def _attend(self, attn, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                i: int, length: int) -> torch.Tensor:
-        """Qwen3Attention.forward with the new key and value written into column length - 1."""
+                i: int, length: int, same: list | None) -> torch.Tensor:
+        """Qwen3Attention.forward with the new key and value written into column length - 1.
+        `same` (a check step): the attention also runs on contiguous copies of the keys and
+        values, whose output this step uses; whether the two agree is appended to `same`."""
         shape = (*x.shape[:-1], -1, attn.head_dim)
         q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
         k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
@@ -165,12 +245,28 @@ class LeanQwen3:
         q, k = self.rotary(q, k, cos, sin)
         self.keys[i][:, :, length - 1:length] = k
         self.values[i][:, :, length - 1:length] = v
-        out, _ = self.attention(attn, q, self.keys[i][:, :, :length], self.values[i][:, :, :length], mask,
-                                dropout=0.0, scaling=attn.scaling, sliding_window=attn.sliding_window)
-        return attn.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
+        keys, values = self.keys[i][:, :, :length], self.values[i][:, :, :length]
+        if self.contiguous or same is not None:
+            copies = self._sdpa(attn, q, keys.contiguous(), values.contiguous(), mask)
+            if same is None:
+                return attn.o_proj(copies)
+            same.append(torch.equal(self._sdpa(attn, q, keys, values, mask), copies))
+            return attn.o_proj(copies)
+        return attn.o_proj(self._sdpa(attn, q, keys, values, mask))
+
+    def _sdpa(self, attn, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+        """transformers' SDPA attention function, its output [b, 1, heads * head_dim]."""
+        out, _ = self.attention(attn, q, keys, values, mask, dropout=0.0, scaling=attn.scaling,
+                                sliding_window=attn.sliding_window)
+        return out.reshape(*q.shape[:1], q.shape[2], -1).contiguous()
 
 
-def sampler_forward(model, capacity: int, lean: bool = True, check: bool = False) -> HFForward | LeanQwen3:
+def sampler_forward(model, capacity: int, lean: bool = True, check: bool = False,
+                    verified: set | None = None) -> HFForward | LeanQwen3:
     """The forward a draw of at most `capacity` tokens a row (prompt + new) runs on; `check`:
-    the lean step proves itself against transformers' forward on its first step (LeanQwen3)."""
-    return LeanQwen3(model, capacity, check=check) if lean and lean_supported(model) else HFForward(model)
+    the lean step proves itself against transformers' forward on its first step, `verified`:
+    the attention layouts proven before (LeanQwen3)."""
+    if lean and lean_supported(model):
+        return LeanQwen3(model, capacity, check=check, verified=verified)
+    return HFForward(model)

@@ -16,10 +16,10 @@ from typing import Callable
 import torch
 
 from pipeline.core import interrupt
-from pipeline.models.engines.base import LOGPROBS_MODE, Completion, SamplingParams, check_weights, stop_token_ids
+from pipeline.models.engines.base import LOGPROBS_MODE, Completion, NonFiniteLogits, SamplingParams, check_weights, stop_token_ids
 from pipeline.models.engines.decode import LeanQwen3, sampler_forward
 from pipeline.models.hf import load_model, load_tokenizer
-from pipeline.models.runtime import resolve_device
+from pipeline.models.runtime import attention_backends, resolve_device
 
 log = logging.getLogger("ggpo")
 
@@ -76,6 +76,18 @@ def left_padded(ids: list[list[int]], pad_id: int, steps: int,
     return input_ids, attn, (attn[:, :width].cumsum(-1) - 1).clamp(min=0)
 
 
+def _non_finite(logits: torch.Tensor, step: int, live: torch.Tensor) -> NonFiniteLogits:
+    """The one-line error for a step whose logits hold a NaN or an infinity: where (the
+    batch row, the new token's index, the first token id) and what, so nothing of the draw
+    is returned, scored or kept."""
+    bad = ~torch.isfinite(logits)
+    row, token = (int(x) for x in bad.nonzero()[0])
+    return NonFiniteLogits(
+        f"the transformers sampler's logits are not finite at new token {step}: {int(bad.sum())} entries, "
+        f"the first at batch row {int(live[row])}, token id {token}: {float(logits[row, token])} "
+        f"(the draw is refused: nothing of it is scored or kept)")
+
+
 def _worth_shrinking(done: torch.Tensor) -> bool:
     """Drop the finished rows once they are a quarter of the batch: each drop copies the KV
     cache, so dropping at every finished row costs much of what it saves; at a quarter the
@@ -94,6 +106,8 @@ class TransformersEngine:
         torch.set_num_threads(threads)
         self.lean = lean      # the lean decode step where it copies the model's forward (engines/decode.py)
         self.lean_checked = False   # set once a draw's first decode step found both forwards equal
+        self.lean_layouts: set = set()      # the attention layouts the lean step has proven (decode.LeanQwen3)
+        self.lean_checks: list[dict] = []   # every check the lean step ran, in order (what each covered)
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(model_path)
         self.dtype = weights_dtype(dtype, self.device)
@@ -109,6 +123,7 @@ class TransformersEngine:
         engine = cls.__new__(cls)
         engine.model, engine.tokenizer, engine.stop_ids = model, tokenizer, list(stop_ids)
         engine.batch_prompts, engine.lean, engine.lean_checked = batch_prompts, lean, False
+        engine.lean_layouts, engine.lean_checks = set(), []
         engine.device, engine.dtype = next(model.parameters()).device, next(model.parameters()).dtype
         return engine
 
@@ -145,12 +160,19 @@ class TransformersEngine:
 
     @torch.inference_mode()     # no_grad's tokens, less bookkeeping per op (~5 % of a small draw)
     def _sample(self, prompts: list[str], params: SamplingParams, gen: torch.Generator) -> list[Completion]:
-        """One batch of rows decoded together; a row leaves the batch once it has sampled a
-        stop token (`_shrink`), so a batch costs the tokens its rows produce, not rows x the
-        longest row. The draws do not depend on which rows are still in the batch (`_draw`)."""
-        tok, model, dev = self.tokenizer, self.model, self.device
-        model.eval()
-        ids = [tok(p)["input_ids"] for p in prompts]
+        """One batch of rows decoded together, every forward under the device's attention
+        kernels (runtime.attention_backends)."""
+        self.model.eval()
+        ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        with attention_backends(self.device):
+            return self._decode(ids, params, gen)
+
+    def _decode(self, ids: list[list[int]], params: SamplingParams, gen: torch.Generator) -> list[Completion]:
+        """A row leaves the batch once it has sampled a stop token (`_shrink`), so a batch costs
+        the tokens its rows produce, not rows x the longest row. The draws do not depend on which
+        rows are still in the batch (`_draw`). A logit that is not finite stops the draw at once
+        (`_non_finite`): nothing drawn from it is returned, scored or kept."""
+        tok, dev = self.tokenizer, self.device
         rows, steps = len(ids), params.max_new_tokens
         input_ids, attn, step_pos = left_padded(ids, tok.pad_token_id, steps, dev)
         width = input_ids.shape[1]
@@ -159,7 +181,8 @@ class TransformersEngine:
         logps = torch.zeros((rows, steps), device=dev)
         live = torch.arange(rows, device=dev)       # the original row of each row still in the batch
         step_ids, done = input_ids, torch.zeros(rows, dtype=torch.bool, device=dev)
-        forward = sampler_forward(model, width + steps, self.lean, check=not self.lean_checked)
+        forward = sampler_forward(self.model, width + steps, self.lean, check=not self.lean_checked,
+                                  verified=self.lean_layouts)
         t = 0
         for t in range(steps):
             interrupt.check("generation")        # a safe point: nothing of this batch is kept
@@ -168,7 +191,10 @@ class TransformersEngine:
             nxt = torch.where(done, torch.full_like(nxt, tok.pad_token_id), nxt)
             tokens[live, t], logps[live, t] = nxt, logp.gather(1, nxt[:, None]).squeeze(1)
             done = done | torch.isin(nxt, stops)
-            if bool(done.all()):
+            finite, finished = torch.stack((torch.isfinite(logits).all(), done.all())).tolist()   # one device read
+            if not finite:
+                raise _non_finite(logits, t, live)
+            if finished:
                 break
             step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1
             if _worth_shrinking(done):
@@ -179,10 +205,13 @@ class TransformersEngine:
         return self._completions(tokens[:, :t + 1], logps[:, :t + 1], set(stops.tolist()), params.logprobs)
 
     def _note_check(self, forward) -> None:
-        """The lean step's check (decode.LeanQwen3): kept on equal logits, else dropped for this
+        """The lean step's checks (decode.LeanQwen3): kept on equal logits, else dropped for this
         engine with one warning (the draw already used transformers' logits)."""
-        if not isinstance(forward, LeanQwen3) or forward.equal is None:
-            return          # no check ran (transformers' forward, or no decode step)
+        if not isinstance(forward, LeanQwen3):
+            return          # transformers' forward: nothing to check
+        self.lean_checks.extend(forward.checks)
+        if forward.equal is None:
+            return          # no forward check ran (checked before, or no decode step)
         self.lean_checked = forward.equal
         if not forward.equal:
             self.lean = False
