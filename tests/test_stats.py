@@ -9,7 +9,7 @@ quantile, the p-value and whatever is built from them.
 """
 import math
 
-import mpmath as mp
+import mpmath as mp  # type: ignore[import-untyped]  # no stubs; tests only
 import pytest
 import torch
 
@@ -24,6 +24,19 @@ mp.mp.dps = 40
 # two-sided 95 % quantiles of Student's t, from a standard table (e.g. NIST/SEMATECH
 # e-Handbook 1.3.6.7.2, upper 0.025 critical values), to the digits tables print
 TABLE = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 9: 2.262}
+
+
+def pair(a, b) -> stats.Estimate:
+    """stats.paired where the two share seeds (never None here)."""
+    est = stats.paired(a, b)
+    assert est is not None
+    return est
+
+
+def bounds(est: stats.Estimate) -> tuple[float, float, float]:
+    """(low, high, p) of an estimate with an interval and a test."""
+    assert est.low is not None and est.high is not None and est.p is not None
+    return est.low, est.high, est.p
 
 
 def t_sf(t, dof):
@@ -72,18 +85,19 @@ def test_paired_difference_interval_and_p_against_mpmath():
     1 - |t| / sqrt(2 + t^2)."""
     a = {42: 0.22, 1234: 0.15, 2027: 0.21, 7: 0.9}
     b = {42: 0.20, 1234: 0.14, 2027: 0.18, 99: 0.0}
-    got = stats.paired(a, b)
+    got = pair(a, b)
+    g_low, g_high, g_p = bounds(got)
     d = [a[s] - b[s] for s in (42, 1234, 2027)]
     mean, sd, low, high, p = reference(d)
     assert got.seeds == (42, 1234, 2027) and got.n == 3 and got.dof == 2
     assert_close(got.mean, float(mean), F64, scale=0.22, terms=3, what="mean difference")
     assert_close(got.sd, float(sd), F64, scale=0.22, terms=3, what="sd of differences")
-    assert_close(got.low, float(low), F64, scale=0.22, terms=TERMS, what="low")
-    assert_close(got.high, float(high), F64, scale=0.22, terms=TERMS, what="high")
-    assert_close(got.p, float(p), F64, scale=1.0, terms=TERMS, what="p")
+    assert_close(g_low, float(low), F64, scale=0.22, terms=TERMS, what="low")
+    assert_close(g_high, float(high), F64, scale=0.22, terms=TERMS, what="high")
+    assert_close(g_p, float(p), F64, scale=1.0, terms=TERMS, what="p")
     t = float(mean / (sd / mp.sqrt(3)))
-    assert_close(got.p, 1 - t / math.sqrt(2 + t * t), F64, scale=1.0, terms=TERMS, what="p, closed form")
-    assert got.text(scale=100) == f"{100 * got.mean:+.2f} [{100 * got.low:+.2f}, {100 * got.high:+.2f}], n=3, p=0.074"
+    assert_close(g_p, 1 - t / math.sqrt(2 + t * t), F64, scale=1.0, terms=TERMS, what="p, closed form")
+    assert got.text(scale=100) == f"{100 * got.mean:+.2f} [{100 * g_low:+.2f}, {100 * g_high:+.2f}], n=3, p=0.074"
 
 
 def test_pairing_removes_what_a_seed_shares():
@@ -93,18 +107,18 @@ def test_pairing_removes_what_a_seed_shares():
     base = {42: 0.05, 1234: 0.25, 2027: 0.45}
     shift = {42: 0.021, 1234: 0.019, 2027: 0.020}
     a = {s: base[s] + shift[s] for s in base}
-    pair = stats.paired(a, base)
-    unpaired = stats.welch(list(a.values()), list(base.values()))
-    assert pair.low > 0 and pair.high - pair.low < 0.01
-    assert unpaired.low < 0 < unpaired.high and unpaired.p > 0.5 and pair.p < 0.01
-    assert unpaired.mean == pytest.approx(pair.mean, abs=1e-15)
+    paired, unpaired = pair(a, base), stats.welch(list(a.values()), list(base.values()))
+    (p_low, p_high, p_p), (u_low, u_high, u_p) = bounds(paired), bounds(unpaired)
+    assert p_low > 0 and p_high - p_low < 0.01 and p_p < 0.01
+    assert u_low < 0 < u_high and u_p > 0.5
+    assert unpaired.mean == pytest.approx(paired.mean, abs=1e-15)
     xa, xb = [mp.mpf(v) for v in a.values()], [mp.mpf(v) for v in base.values()]
     va = mp.fsum((x - mp.fsum(xa) / 3) ** 2 for x in xa) / 2 / 3
     vb = mp.fsum((x - mp.fsum(xb) / 3) ** 2 for x in xb) / 2 / 3
     dof = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 2)
     half = t_quantile(0.95, dof) * mp.sqrt(va + vb)
     assert_close(unpaired.dof, float(dof), F64, scale=float(dof), terms=6, what="Welch dof")
-    assert_close(unpaired.high - unpaired.mean, float(half), F64, scale=float(half), terms=TERMS, what="Welch half")
+    assert_close(u_high - unpaired.mean, float(half), F64, scale=float(half), terms=TERMS, what="Welch half")
 
 
 def test_stalls_and_bimodal_cells():
@@ -117,7 +131,7 @@ def test_stalls_and_bimodal_cells():
 def test_one_seed_has_no_interval():
     one = stats.summary([0.3])
     assert (one.mean, one.n, one.sd, one.low, one.high, one.p) == (0.3, 1, None, None, None, None)
-    diff = stats.paired({42: 0.3, 7: 0.1}, {42: 0.2})
+    diff = pair({42: 0.3, 7: 0.1}, {42: 0.2})
     assert diff.n == 1 and diff.low is None and diff.p is None and diff.seeds == (42,)
     assert diff.text(scale=100) == "+10.00 (n=1, no interval)"
     assert stats.paired({42: 0.3}, {7: 0.2}) is None          # no seed in both: no comparison
@@ -125,9 +139,9 @@ def test_one_seed_has_no_interval():
 
 
 def test_equal_differences_and_bad_input():
-    same = stats.paired({1: 0.5, 2: 0.7}, {1: 0.4, 2: 0.6})
-    assert same.low == pytest.approx(same.high) and same.p == 0.0        # t infinite
-    none = stats.paired({1: 0.5, 2: 0.7}, {1: 0.5, 2: 0.7})
+    low, high, p = bounds(pair({1: 0.5, 2: 0.7}, {1: 0.4, 2: 0.6}))
+    assert low == pytest.approx(high) and p == 0.0        # t infinite
+    none = pair({1: 0.5, 2: 0.7}, {1: 0.5, 2: 0.7})
     assert (none.mean, none.low, none.high, none.p) == (0.0, 0.0, 0.0, 1.0)
     with pytest.raises(ValueError, match="not finite"):
         stats.summary([0.1, float("nan")])
