@@ -3,6 +3,7 @@ it, and a method added from outside (one loss function, one entry, GGPO_PLUGINS)
 through `ggpo stage train`."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -16,16 +17,21 @@ from pipeline.core.config import load_config
 from pipeline.core.errors import ConfigError
 from pipeline.core.store import Store
 from pipeline.dag import graph
+from pipeline.training import corrections
 from pipeline.training.losses import LOSSES, get_loss
 
 from conftest import BIN, REPO
 
 
 def test_losses_are_keyed_as_the_method_table():
-    assert tuple(LOSSES) == methods.BUILT_IN
+    assert tuple(LOSSES) == methods.BUILT_IN[:len(LOSSES)]
     for name in methods.BUILT_IN:
         module, _, fn = methods.METHODS[name].loss.partition(":")
-        assert module == "pipeline.training.losses" and LOSSES[name].__name__ == fn and get_loss(name) is LOSSES[name]
+        if name in LOSSES:
+            assert module == "pipeline.training.losses" and LOSSES[name].__name__ == fn and get_loss(name) is LOSSES[name]
+        else:        # the off-policy corrections: one module beside losses.py, `<name>_loss` each
+            assert module == "pipeline.training.corrections" and fn == f"{name}_loss"
+            assert get_loss(name) is getattr(corrections, fn)
 
 
 # what each method needed before the table, as config hard-coded it (the table must keep it):
@@ -37,6 +43,11 @@ FACTS = [
     (["train.method=agro"], 160, False, False, True),
     (["train.method=ggpo"], 160, False, False, True),
     (["train.method=ggpo", "train.ggpo_clip_delta=0.05"], 160, True, False, True),
+    # the off-policy corrections: each reads what its source's default anchor is
+    *[([f"train.method={name}"], None, old, beh, False) for name, old, beh in (
+        ("tis_seq", True, True), ("icepop", True, True), ("geo_mask", True, True), ("opsm", True, True),
+        ("cispo", True, False), ("gspo", True, False), ("m2po", True, True), ("dppo_tv", False, True),
+        ("decoupled_ppo", True, True), ("topr", True, False), ("plain_is", False, True))],
 ]
 
 
@@ -51,10 +62,33 @@ def test_config_reads_each_methods_needs_from_the_table(sets, t_ref, anchor, beh
         assert load_config("smoke", sets + ["train.beta=0"]).train.beta == 0
 
 
+def test_aggregation_only_for_a_method_that_honors_it():
+    """Issue 34 item 5: AGRO and GGPO compute token-mean only; setting another aggregation for
+    them is an error, not a silently ignored option."""
+    for name in ("grpo", "grpo_tis", "cispo", "gspo"):
+        assert load_config("smoke", [f"train.method={name}", "train.aggregation=seq-mean-token-mean"])
+    for name in ("agro", "ggpo"):
+        with pytest.raises(ConfigError, match=f"train.aggregation='seq-mean-token-mean': {name} computes token-mean only"):
+            load_config("smoke", [f"train.method={name}", "train.aggregation=seq-mean-token-mean"])
+
+
+def test_a_correction_option_applies_to_its_methods_only_and_is_key_neutral_at_its_default():
+    with pytest.raises(ConfigError, match="train.opsm_delta applies to method 'opsm' only, not 'grpo'"):
+        load_config("smoke", ["train.opsm_delta=0.5"])
+    with pytest.raises(ConfigError, match="train.behave_imp_weight_cap applies to method 'm2po' or 'decoupled_ppo'"):
+        load_config("smoke", ["train.method=icepop", "train.behave_imp_weight_cap=3"])
+    with pytest.raises(ConfigError, match="train.is_threshold_low must be < train.is_threshold_high"):
+        load_config("smoke", ["train.method=icepop", "train.is_threshold_low=5"])
+    plain = load_config("smoke", ["train.method=opsm"]).slice(("train",))
+    assert "opsm_delta" not in plain["train"]          # at its default: not in the key
+    assert load_config("smoke", ["train.method=opsm", "train.opsm_delta=0.0001"]).slice(("train",)) == plain
+    assert load_config("smoke", ["train.method=opsm", "train.opsm_delta=0.5"]).slice(("train",))["train"]["opsm_delta"] == 0.5
+
+
 def test_an_unknown_method_names_the_field_and_the_known_methods():
     with pytest.raises(ConfigError) as err:
         load_config("smoke", ["train.method=ppo"])
-    assert "train.method: unknown 'ppo'; known: agro, ggpo, grpo, grpo_tis" in str(err.value)
+    assert "train.method: unknown 'ppo'; known: agro, cispo, decoupled_ppo, dppo_tv, geo_mask, ggpo, grpo, grpo_tis, gspo, icepop, m2po, opsm, plain_is, tis_seq, topr" in str(err.value)
 
 
 PLUGIN = textwrap.dedent('''
@@ -105,6 +139,26 @@ def test_a_toy_method_registered_by_a_plugin_trains_through_the_cli(plugin, base
     assert trained.summary["method"] == "toy" and trained.summary["t_ref"] == 3     # the entry's default
     assert pl.read_parquet(trained.path("metrics"))["update"].to_list() == [1, 2]
     assert calls.read_text().count("call") >= 2          # its loss, at least once per update
+
+
+CORRECTIONS = [name for name in methods.BUILT_IN if name not in LOSSES]
+
+
+@pytest.mark.parametrize("name", CORRECTIONS)
+def test_each_correction_trains_through_ggpo_stage_train_and_online(name, base_manifest, pool, capsys):
+    """`ggpo stage train` (2 updates on the smoke pool) and `ggpo stage online` (one round of
+    N = 2 updates) with the method, through the CLI's main in this process (its session cache
+    holds the base and the pool already): each exits 0 with every update's loss finite."""
+    from pipeline.cli import main
+    sets = [f"train.method={name}", "train.updates=2"]
+    flags = [a for s in sets for a in ("--set", s)]
+    assert main(["stage", "train", "--preset", "smoke", "--no-track", *flags]) == 0
+    trained = Store().load("train", graph.expected_key("train", load_config("smoke", sets)))
+    rows = pl.read_parquet(trained.path("metrics"))
+    assert trained.summary["method"] == name and rows["update"].to_list() == [1, 2]
+    assert all(math.isfinite(x) for x in rows["loss"].to_list())
+    assert main(["stage", "online", "--preset", "smoke-online", "--no-track", *flags]) == 0
+    assert f"online cell {name} seed 42: 1 rounds, 2 updates" in capsys.readouterr().out
 
 
 def test_a_pool_without_what_a_method_needs_is_refused_in_one_line(plugin, tmp_path, pool):

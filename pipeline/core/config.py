@@ -103,6 +103,14 @@ class FilterConfig(Section):
     keep: Literal["mixed"] = "mixed"      # 0 < successes < m (spec 8.2)
 
 
+# the off-policy corrections' options (TrainConfig): each in a stage's key only when set away
+# from its default (PipelineConfig.slice), so the keys cached before they existed stay valid;
+# each applies only to the methods whose Method.options name it (TrainConfig's validator)
+CORRECTION_OPTIONS = ("is_threshold_low", "is_threshold_high", "geo_mask_low", "geo_mask_high", "opsm_delta",
+                      "cispo_eps_clip_low", "cispo_eps_clip_high", "gspo_eps_low", "gspo_eps_high", "m2_threshold",
+                      "behave_imp_weight_cap", "dppo_mask_low", "dppo_mask_high", "dppo_kl_tau")
+
+
 class TrainConfig(Section):
     method: str = "grpo"      # a name in pipeline/core/methods.py's METHODS (plugins included)
     updates: int = Field(400, ge=1)
@@ -121,6 +129,24 @@ class TrainConfig(Section):
     eps_adv: float = 1e-6
     aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     anchor: Literal["behavior", "old"] = "behavior"   # spec 13 item 4
+    # options of the off-policy corrections (pipeline/training/corrections.py; docs/math.md,
+    # "Off-policy corrections"), named and defaulted as their source framework's option. Each
+    # is read only by the methods whose Method.options name it, and at its default it is
+    # left out of every cache key (CORRECTION_OPTIONS), so adding one moved no key
+    is_threshold_low: float = Field(0.5, gt=0)       # icepop: keep pi_old/mu in [low, high] (OpenRLHF)
+    is_threshold_high: float = Field(5.0, gt=0)
+    geo_mask_low: float = Field(0.99, gt=0)          # geo_mask: keep a response whose geometric-mean
+    geo_mask_high: float = Field(1.01, gt=0)         #   pi_old/mu is in [low, high] (SkyRL)
+    opsm_delta: float = 1e-4                         # opsm: drop A < 0 responses past this mean log(mu/pi) (slime)
+    cispo_eps_clip_low: float = Field(1.0, ge=0)     # cispo: sg(clip(r, 1 - low, 1 + high)) (SkyRL, ScaleRL)
+    cispo_eps_clip_high: float = Field(4.0, ge=0)
+    gspo_eps_low: float = Field(3e-4, ge=0)          # gspo: clip of the sequence ratio (verl's GSPO recipe)
+    gspo_eps_high: float = Field(4e-4, ge=0)
+    m2_threshold: float = Field(0.04, gt=0)          # m2po: second-moment bound (AReaL gsm8k_m2po example)
+    behave_imp_weight_cap: float = Field(5.0, gt=0)  # decoupled_ppo, m2po: drop tokens with pi_old/mu above (AReaL)
+    dppo_mask_low: float = Field(0.2, ge=0)          # dppo_tv: probability-difference trust region (prime-rl)
+    dppo_mask_high: float = Field(0.2, ge=0)
+    dppo_kl_tau: float = Field(1e-3, ge=0)           # dppo_tv: + kl_tau (log pi/mu)^2 a token (prime-rl)
     # reference refresh every t_ref updates; "fixed" = never; "default" = the method's
     # default_t_ref (pipeline/core/methods.py: GRPO and GRPO+TIS fixed, AGRO and GGPO 160)
     t_ref: int | Literal["fixed", "default"] = "default"
@@ -173,7 +199,24 @@ class TrainConfig(Section):
         if self.ggpo_clip_delta is not None and not entry.clip_delta:
             clipped = [m.name for m in methods.METHODS.values() if m.clip_delta]
             raise ValueError(f"train.ggpo_clip_delta applies to method {' or '.join(map(repr, clipped))} only")
+        if self.aggregation != "token-mean" and not entry.honors_aggregation:
+            honoring = [m.name for m in methods.METHODS.values() if m.honors_aggregation]
+            raise ValueError(f"train.aggregation={self.aggregation!r}: {self.method} computes token-mean only and "
+                             f"would ignore it; methods that honor it: {', '.join(honoring)}")
+        self._check_correction_options(entry)
         return self
+
+    def _check_correction_options(self, entry: methods.Method) -> None:
+        """A correction option away from its default only for a method that reads it; bands ordered."""
+        for name in CORRECTION_OPTIONS:
+            if getattr(self, name) != TrainConfig.model_fields[name].default and name not in entry.options:
+                readers = [m.name for m in methods.METHODS.values() if name in m.options]
+                raise ValueError(f"train.{name} applies to method {' or '.join(map(repr, readers))} only, "
+                                 f"not {self.method!r}")
+        for band in ("is_threshold", "geo_mask"):
+            low, high = getattr(self, f"{band}_low"), getattr(self, f"{band}_high")
+            if not low < high:
+                raise ValueError(f"train.{band}_low must be < train.{band}_high, got {low} and {high}")
 
     def method_entry(self) -> methods.Method:
         """The record of `method` (pipeline/core/methods.py)."""
@@ -396,6 +439,9 @@ class PipelineConfig(Section):
         for dotted in KEY_EXCLUDE + tuple(drop):
             section, leaf = dotted.split(".")
             dumped[section].pop(leaf, None)
+        for leaf in CORRECTION_OPTIONS:      # key-neutral at their default: no existing key moved
+            if dumped["train"].get(leaf) == TrainConfig.model_fields[leaf].default:
+                dumped["train"].pop(leaf)
         out: dict[str, Any] = {}
         for dotted in fields:
             src, dst, *_ = dumped, out

@@ -6,6 +6,8 @@ A method is a loss function (`pipeline/training/losses.py`, signature `fn(inputs
 
 - config: `train.method` must name an entry; `train.beta > 0` when `needs_beta`; the
   default `train.t_ref` is `default_t_ref`; `train.ggpo_clip_delta` only where `clip_delta`;
+  `train.aggregation` other than token-mean only where `honors_aggregation`; a correction
+  option (config.CORRECTION_OPTIONS) away from its default only where `options` names it;
 - preflight and the train stage: a pool without behavior log-probs, or `rollout.top_p < 1`,
   is refused for a method that needs them (`needs_lp_beh`, or `uses_anchor` with
   `train.anchor=behavior`), in one line naming the file, the column and the method;
@@ -39,6 +41,8 @@ class Method:
     clip_delta: bool = False       # accepts train.ggpo_clip_delta (then it reads lp_old)
     needs_beta: bool = False       # divides by train.beta: beta must be > 0
     default_t_ref: int | None = None   # train.t_ref="default": refresh every this many updates; None = fixed
+    honors_aggregation: bool = False   # its loss aggregates by train.aggregation (else token-mean only)
+    options: tuple[str, ...] = ()      # the train.* correction options it reads (config.CORRECTION_OPTIONS)
 
     def needs_behavior(self, anchor: str) -> bool:
         """Behavior log-probs under `train.anchor=anchor`."""
@@ -50,11 +54,34 @@ class Method:
 
 
 LOSS_MODULE = "pipeline.training.losses"
+CORRECTIONS_MODULE = "pipeline.training.corrections"
+
+
+def _correction(name: str, title: str, old: bool, beh: bool, options: tuple[str, ...] = ()) -> Method:
+    """An off-policy correction of the field (docs/math.md, "Off-policy corrections"): loss
+    `<name>_loss` in pipeline/training/corrections.py; it reads lp_old (the step-start recompute)
+    and/or lp_beh (behavior) as its source's default anchor does, and honors train.aggregation."""
+    return Method(name, title, f"{CORRECTIONS_MODULE}:{name}_loss", needs_lp_beh=beh, needs_lp_old=old,
+                  honors_aggregation=True, options=options)
+
+
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("grpo", "GRPO", f"{LOSS_MODULE}:grpo_loss", uses_anchor=True),
-    Method("grpo_tis", "GRPO+TIS", f"{LOSS_MODULE}:grpo_tis_loss", needs_lp_beh=True, needs_lp_old=True),
+    Method("grpo", "GRPO", f"{LOSS_MODULE}:grpo_loss", uses_anchor=True, honors_aggregation=True),
+    Method("grpo_tis", "GRPO+TIS", f"{LOSS_MODULE}:grpo_tis_loss", needs_lp_beh=True, needs_lp_old=True,
+           honors_aggregation=True),
     Method("agro", "AGRO", f"{LOSS_MODULE}:agro_loss", needs_beta=True, default_t_ref=160),
     Method("ggpo", "GGPO", f"{LOSS_MODULE}:ggpo_loss", clip_delta=True, needs_beta=True, default_t_ref=160),
+    _correction("tis_seq", "GRPO+seq-TIS", old=True, beh=True),
+    _correction("icepop", "IcePop", old=True, beh=True, options=("is_threshold_low", "is_threshold_high")),
+    _correction("geo_mask", "Geo-mask", old=True, beh=True, options=("geo_mask_low", "geo_mask_high")),
+    _correction("opsm", "OPSM", old=True, beh=True, options=("opsm_delta",)),
+    _correction("cispo", "CISPO", old=True, beh=False, options=("cispo_eps_clip_low", "cispo_eps_clip_high")),
+    _correction("gspo", "GSPO", old=True, beh=False, options=("gspo_eps_low", "gspo_eps_high")),
+    _correction("m2po", "M2PO", old=True, beh=True, options=("m2_threshold", "behave_imp_weight_cap")),
+    _correction("dppo_tv", "DPPO-TV", old=False, beh=True, options=("dppo_mask_low", "dppo_mask_high", "dppo_kl_tau")),
+    _correction("decoupled_ppo", "Decoupled PPO", old=True, beh=True, options=("behave_imp_weight_cap",)),
+    _correction("topr", "TOPR", old=True, beh=False),
+    _correction("plain_is", "Plain IS", old=False, beh=True),
 )}
 BUILT_IN = tuple(METHODS)
 _loaded: set[str] = set()
