@@ -14,9 +14,19 @@ the exit code. `ggpo up` / `ggpo status` later tell the restarted server how the
   $GGPO_HOME/prefect/unreported/<flow run id>.json.
 - `report_unreported()`: sends those states once the server answers again (`ggpo up`,
   `ggpo status`), so the UI shows the run Completed (or Failed), not stuck Running.
+
+Prefect's internals. `install()` replaces six of Prefect's own functions (PATCHED), written
+against Prefect 3.9.1; pyproject pins `prefect>=3.9,<3.10`. At start it checks each target:
+one that is missing, or whose parameters (names, kinds, defaults, sync or async) differ
+from the recorded ones, is left as Prefect has it (Prefect's own outage behavior: retries
+and its own log lines) and named in one warning; the others are still replaced.
+tests/test_private_api.py fails on any such difference, and on the other private APIs the
+project replaces (cli.py's temporary server).
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import logging
 import os
@@ -31,6 +41,18 @@ from pipeline.services import servers
 # ~6 s a failing call (2 s, 4 s back-off, 20% jitter) instead of Prefect's 5 retries (~62 s)
 CLIENT_SETTINGS = {"PREFECT_CLIENT_MAX_RETRIES": "2", "PREFECT_CLIENT_RETRY_JITTER_FACTOR": "0.2",
                    "PREFECT_API_REQUEST_TIMEOUT": "30"}
+
+# "module:attribute.path" -> the shape (shape()) of what install() replaces there
+PATCHED = {
+    "prefect.flow_engine:propose_state_sync": "(client, state, flow_run_id, force=False)",
+    "prefect.logging.handlers:APILogWorker._handle_batch": "async (self, items)",
+    "prefect.events.worker:EventsWorker._handle": "async (self, event)",
+    "prefect.events.clients:PrefectEventsClient._reconnect": "async (self)",
+    "prefect.client.base:PrefectHttpxAsyncClient.send": "async (self, request, *args, **kwargs)",
+    "prefect.client.base:PrefectHttpxSyncClient.send": "(self, request, *args, **kwargs)",
+}
+TESTED_ON = "3.9.1"
+_REPLACED: dict[str, Any] = {}      # target -> Prefect's own function, once install() replaced it
 
 _DOWN = threading.Event()
 _LOCK = threading.Lock()
@@ -162,17 +184,92 @@ def _about_the_server(record: logging.LogRecord) -> bool:
     return any(n in text for n in _NOISE)
 
 
+def shape(fn) -> str:
+    """What the patches rely on of a callable: its parameters' names, kinds and defaults,
+    and whether it is a coroutine function, e.g. "async (self, request, *args, **kwargs)"."""
+    out, star = [], False
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind == p.KEYWORD_ONLY and not star:
+            out.append("*")
+        star = star or p.kind in (p.VAR_POSITIONAL, p.KEYWORD_ONLY)
+        marks: dict[Any, str] = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}
+        text = marks.get(p.kind, "") + p.name
+        out.append(text if p.default is p.empty else f"{text}={p.default!r}")
+    return ("async " if inspect.iscoroutinefunction(fn) else "") + f"({', '.join(out)})"
+
+
+def resolve(target: str) -> Any:
+    """The object at "module:attribute.path" (None when the module or an attribute is missing)."""
+    module, _, path = target.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError:
+        return None
+    for name in path.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def target_problems(recorded: dict[str, str]) -> dict[str, str]:
+    """{target: what is wrong} for each target of `recorded` that is missing or has another
+    shape (Prefect's own function, also after install() replaced it)."""
+    out = {}
+    for target, expected in recorded.items():
+        fn = _REPLACED.get(target) or resolve(target)
+        if fn is None:
+            out[target] = "is missing"
+            continue
+        try:
+            got = shape(fn)
+        except (TypeError, ValueError):
+            got = "no signature"
+        if got != expected:
+            out[target] = f"is {got}, not {expected}"
+    return out
+
+
+def _replace(target: str, make) -> None:
+    """Put `make(original)` at `target` (a module function or a class attribute)."""
+    module, _, path = target.partition(":")
+    owner_path, _, name = path.rpartition(".")
+    owner = resolve(f"{module}:{owner_path}") if owner_path else importlib.import_module(module)
+    original = getattr(owner, name)
+    _REPLACED[target] = original
+    setattr(owner, name, make(original))
+
+
 def install() -> None:
-    """After `import prefect`, before the flow runs: see the module docstring."""
+    """After `import prefect`, before the flow runs: see the module docstring. Targets that
+    changed shape (target_problems) keep Prefect's own behavior, said in one warning."""
     if _INSTALLED:
         return
     _INSTALLED.append(True)
-    import prefect.flow_engine as engine
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
+    problems = target_problems(PATCHED)
+    if problems:
+        import prefect
+        said = "; ".join(f"{t} {why}" for t, why in problems.items())
+        sys.stderr.write(f"ggpo: warning: Prefect {prefect.__version__} is not the version ggpo's handling of a "
+                         f"Prefect outage was written for ({TESTED_ON}): {said}; Prefect's own behavior is kept "
+                         f"there (pyproject pins prefect>=3.9,<3.10)\n")
+    makers = {"prefect.flow_engine:propose_state_sync": _propose_state_sync,
+              "prefect.logging.handlers:APILogWorker._handle_batch": _handle_batch,
+              "prefect.events.worker:EventsWorker._handle": _handle_event,
+              "prefect.events.clients:PrefectEventsClient._reconnect": _reconnect,
+              "prefect.client.base:PrefectHttpxAsyncClient.send": _async_send,
+              "prefect.client.base:PrefectHttpxSyncClient.send": _sync_send}
+    for target, make in makers.items():
+        if target not in problems:
+            _replace(target, make)
+    quiet = _Quiet()
+    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
+                                       if name.startswith("prefect")]
+    for handler in {h for lg in loggers for h in lg.handlers}:     # prefect._internal does not propagate
+        handler.addFilter(quiet)
 
-    propose = engine.propose_state_sync
 
+def _propose_state_sync(propose):
     def propose_state_sync(client, state, flow_run_id, force: bool = False):
         if not _DOWN.is_set():
             try:
@@ -183,10 +280,10 @@ def install() -> None:
                 mark_down(exc)
         record(flow_run_id, state)      # the run goes on with its own state, for `ggpo up` to report
         return state
-    engine.propose_state_sync = propose_state_sync
+    return propose_state_sync
 
-    handle_batch = APILogWorker._handle_batch
 
+def _handle_batch(handle_batch):
     async def _handle_batch(self, items):
         if _DOWN.is_set():
             return          # the server is gone: the logs are in the terminal (and MLflow)
@@ -198,13 +295,13 @@ def install() -> None:
                 mark_down(exc)
                 return
             await handle_batch(self, items)     # Prefect's own handling (and message) of other errors
-    APILogWorker._handle_batch = _handle_batch  # type: ignore[method-assign]
+    return _handle_batch
 
-    handle = EventsWorker._handle
 
+def _handle_event(handle):
     async def _handle_event(self, event):
         if _DOWN.is_set():
-            self._context_cache.pop(event.id, None)
+            getattr(self, "_context_cache", {}).pop(event.id, None)
             return
         try:
             await handle(self, event)
@@ -213,47 +310,37 @@ def install() -> None:
                 mark_down(exc)
                 return
             raise
-    EventsWorker._handle = _handle_event  # type: ignore[method-assign]
+    return _handle_event
 
-    from prefect.events.clients import PrefectEventsClient
-    reconnect = PrefectEventsClient._reconnect
 
+def _reconnect(reconnect):
     async def _reconnect(self):     # an event being sent when the server went: no more attempts
         if _DOWN.is_set():
             raise ServerGone(f"the Prefect server at {api_url()} is down")     # not an OSError: no retry
         await reconnect(self)
-    PrefectEventsClient._reconnect = _reconnect  # type: ignore[method-assign]
-
-    from prefect.client.base import PrefectHttpxAsyncClient, PrefectHttpxSyncClient
-    for cls in (PrefectHttpxAsyncClient, PrefectHttpxSyncClient):
-        _fail_fast(cls)
-
-    quiet = _Quiet()
-    loggers = [logging.getLogger()] + [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-                                       if name.startswith("prefect")]
-    for handler in {h for lg in loggers for h in lg.handlers}:     # prefect._internal does not propagate
-        handler.addFilter(quiet)
+    return _reconnect
 
 
-def _fail_fast(cls) -> None:
-    """Once the server is gone, a call to it fails at once (no retries, no timeout): the
-    callers that can do without it (artifacts, progress) carry on."""
-    import inspect
-
+# Once the server is gone, a call to it fails at once (no retries, no timeout): the callers
+# that can do without it (artifacts, progress) carry on.
+def _async_send(send):
     import httpx
-    send = cls.send
-    if inspect.iscoroutinefunction(send):
-        async def async_send(self, request, *args, **kwargs):
-            if _DOWN.is_set() and _ours(request):
-                raise httpx.ConnectError(f"the Prefect server at {api_url()} is down", request=request)
-            return await send(self, request, *args, **kwargs)
-        cls.send = async_send
-    else:
-        def sync_send(self, request, *args, **kwargs):
-            if _DOWN.is_set() and _ours(request):
-                raise httpx.ConnectError(f"the Prefect server at {api_url()} is down", request=request)
-            return send(self, request, *args, **kwargs)
-        cls.send = sync_send
+
+    async def async_send(self, request, *args, **kwargs):
+        if _DOWN.is_set() and _ours(request):
+            raise httpx.ConnectError(f"the Prefect server at {api_url()} is down", request=request)
+        return await send(self, request, *args, **kwargs)
+    return async_send
+
+
+def _sync_send(send):
+    import httpx
+
+    def sync_send(self, request, *args, **kwargs):
+        if _DOWN.is_set() and _ours(request):
+            raise httpx.ConnectError(f"the Prefect server at {api_url()} is down", request=request)
+        return send(self, request, *args, **kwargs)
+    return sync_send
 
 
 def _ours(request) -> bool:
