@@ -1,5 +1,6 @@
 """The comparison report: mean ± sample std (ddof 1) over seeds, method order, files."""
 import math
+from typing import Any
 
 import polars as pl
 import pytest
@@ -63,7 +64,7 @@ def test_offline_diagnostics_are_mean_and_sample_std_over_seeds(tmp_path):
     and std (ddof 1) over seeds, checked against numpy in float64; one seed prints no ±."""
     import numpy as np
     rng = np.random.default_rng(0)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for method in ("grpo", "ggpo"):
         for seed in (42, 1234, 2027):
             for u in range(1, 9):
@@ -86,3 +87,111 @@ def test_offline_diagnostics_are_mean_and_sample_std_over_seeds(tmp_path):
     assert pl.read_csv(paths["diagnostics"]).columns[:3] == ["method", *offline.DIAGNOSTICS[:2]]
     one = offline.markdown_diagnostics(offline.diagnostics(curves.filter(pl.col("seed") == 42)), list(offline.DIAGNOSTICS), "t")
     assert "±" not in one and "| grpo | 1 |" in one
+
+
+# --------------------------------------------------------------------------- statistics over seeds
+
+T2 = 4.302652729749462      # t_{0.975, 2 dof}, standard tables (tests/test_stats.py checks it)
+FINALS = {   # (method, N) -> {seed: (final update, final accuracy)}; ggpo N=4 seed 1234 stalls
+    ("grpo_tis", 1): {42: (8, 0.20), 1234: (8, 0.14), 2027: (8, 0.18)},
+    ("grpo_tis", 4): {42: (8, 0.15), 1234: (8, 0.10), 2027: (8, 0.12)},
+    ("ggpo", 1): {42: (8, 0.22), 1234: (8, 0.15), 2027: (8, 0.21)},
+    ("ggpo", 4): {42: (8, 0.13), 1234: (4, 0.01), 2027: (8, 0.14)},
+}
+
+
+def online_cache(tmp_path, seeds):
+    """An online experiment's records as the flow and `ggpo report` build them: real grid
+    cells of tiny-regime (grpo_tis and ggpo, N in {1, 4}, 8 updates), each round's metrics
+    a Parquet file of the ONLINE_METRICS schema read through online.cell_curves, each
+    evaluation a manifest read through online.record."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+
+    from pipeline.core import grid
+    from pipeline.core.config import load_config
+    from pipeline.core.schemas import ONLINE_METRICS, typed_table
+    from pipeline.core.store import FileEntry, Manifest
+    from pipeline.reports import online
+    cfg = load_config("tiny-regime", {"experiment.seeds": seeds, "experiment.methods": ["grpo_tis", "ggpo"],
+                                      "experiment.grid": {"train.updates_per_step": [1, 4]}, "train.updates": 8})
+
+    def manifest(stage, folder, files=None, summary=None):
+        return Manifest(stage=stage, key=hashlib.sha256(str(folder).encode()).hexdigest(), version=1, folder=str(folder),
+                        config={}, inputs={}, files=files or {}, summary=summary or {}, created_at="", seconds=0.0)
+    records, curves = [], []
+    for cell in grid.cells(cfg):
+        n = cell.config.train.updates_per_step
+        stop, final = FINALS[(cell.method, n)][cell.seed]
+        rounds = []
+        for r in range(stop // n):
+            folder = tmp_path / "cache" / f"{cell.slug}-{cell.seed}-{r}"
+            folder.mkdir(parents=True)
+            updates = list(range(r * n + 1, (r + 1) * n + 1))
+            rows: dict[str, list] = {f.name: [None] * n for f in ONLINE_METRICS}
+            rows |= {"update": updates, "round": [r] * n, "k3_mismatch": [1e-3 * u + cell.seed * 1e-6 for u in updates],
+                     "entropy": [0.1 * n] * n, "responses_generated": [64 * u for u in updates]}
+            pq.write_table(typed_table(rows, ONLINE_METRICS), folder / "metrics.parquet")
+            rounds.append(manifest("online_train", folder, {"metrics": FileEntry(path="metrics.parquet", bytes=0, sha256="")}))
+        curves.append(online.cell_curves(cell, cfg, rounds))
+        records += [online.record(cell, cfg, u, manifest("evaluate", tmp_path / "e", summary={"mean_at_8": a}))
+                    for u, a in ((0, 0.07), (stop, final))]
+    return pl.DataFrame(records), pl.concat(curves, how="diagonal_relaxed")
+
+
+def test_online_report_prints_paired_intervals_n_and_stalls(tmp_path):
+    """Three seeds: every method minus grpo_tis at each N, and N=4 minus N=1 within a method,
+    paired by seed with the t-interval (2 dof, the quantile from a table) and n; stalls k/n
+    per cell; the cell where one seed of three stalled prints each seed's value; the
+    diagnostics over updates 7-8 for every cell, the stalled seed left out and named."""
+    import math
+
+    from pipeline.reports import online
+    evals, curves = online_cache(tmp_path, [42, 1234, 2027])
+    table, paths = online.write(evals, curves, tmp_path, "mean@8")
+
+    def expected(a, b):
+        d = [100 * (FINALS[a][s][1] - FINALS[b][s][1]) for s in (42, 1234, 2027)]
+        mean = sum(d) / 3
+        half = T2 * math.sqrt(sum((x - mean) ** 2 for x in d) / 2) / math.sqrt(3)
+        return f"{mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}] | 3 |"
+    assert f"| ggpo | updates_per_step=1 | {expected(('ggpo', 1), ('grpo_tis', 1))} 0.074 | 42 1234 2027 | 0/3 | 0/3 |" \
+        in table                                  # t = 2 / (1 / sqrt 3): p = 1 - t / sqrt(2 + t^2)
+    assert f"| ggpo | updates_per_step=4 | {expected(('ggpo', 4), ('grpo_tis', 4))}" in table
+    assert "| 42 1234 2027 | 1/3 | 0/3 |" in table
+    assert (f"| ggpo | updates_per_step=4 | updates_per_step=4 - updates_per_step=1 | "
+            f"{expected(('ggpo', 4), ('ggpo', 1))}") in table
+    assert "| ggpo updates_per_step=4 | 4 | 10 | 3 | 4 | 42: 13.00, 1234: 1.00 (stopped at 4), 2027: 14.00 | 1/3 |" in table
+    assert "| grpo_tis updates_per_step=1 | 1 | 10 | 3 | 8 | 17.33 ± 3.06 | 0/3 |" in table
+    assert "| grpo_tis | 10 | 17.33 ± 3.06; stalls 0/3 | 12.33 ± 2.52; stalls 0/3 |" in table
+    assert "Every cell over the same updates 7-8" in table
+    diag = pl.read_csv(tmp_path / "diagnostics.csv").filter(pl.col("cell") == "ggpo updates_per_step=4")
+    row = diag.row(0, named=True)
+    k3 = [sum(1e-3 * u + s * 1e-6 for u in (7, 8)) / 2 for s in (42, 2027)]       # seed 1234 stopped at 4
+    assert (row["seeds"], row["stopped"], row["stopped_at"]) == (2, 1, "4")
+    assert row["k3_mismatch"] == pytest.approx(sum(k3) / 2, rel=1e-12)
+    assert " | 2 of 3; 1 stopped at 4 | " in table
+    paired = pl.read_csv(tmp_path / "paired.csv")
+    assert paired.height == 4 and set(paired["comparison"]) == {"reference", "axis"} and set(paired["n"]) == {3}
+
+
+def test_one_seed_report_says_no_interval(tmp_path):
+    """One seed: the paired tables print n=1 and no interval, no p."""
+    from pipeline.reports import online
+    evals, curves = online_cache(tmp_path, [42])
+    table, _ = online.write(evals, curves, tmp_path, "mean@8")
+    assert "| ggpo | updates_per_step=1 | +2.00 (n=1, no interval) | 1 | - | 42 | 0/1 | 0/1 |" in table
+    assert "| grpo_tis updates_per_step=4 | 4 | 10 | 1 | 8 | 15.00 | 0/1 |" in table
+
+
+def test_offline_report_pairs_methods_by_seed(tmp_path):
+    """Offline: the final accuracy's paired differences to the first method (no grpo_tis
+    here) with n, from summarize's per-seed columns (what `ggpo report` prints)."""
+    summary = offline.summarize(evals())
+    text = offline.markdown(summary, "mean@8")
+    d = [100 * (t - g) for g, t in ((0.50, 0.45), (0.56, 0.47), (0.53, 0.40))]
+    mean = sum(d) / 3
+    half = T2 * math.sqrt(sum((x - mean) ** 2 for x in d) / 2) / math.sqrt(3)
+    assert f"| grpo | - | {mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}] | 3 |" in text
+    assert "minus ggpo at the same grid point" in text and "| ggpo | 40.00 ± 2.00 | 53.00 ± 3.00 | 3 |" in text

@@ -1,12 +1,17 @@
 """The comparison report (seed Table 5 / Figure 4 forms).
 
 Table: accuracy (mean@n on the eval split) per method per evaluated update, as
-mean ± sample std (ddof = 1) over seeds; update 0 is the shared base policy. Diagnostics
-table: each run's spec-9 diagnostics averaged over the last quarter of its updates, then
-mean ± sample std over seeds; `abs_log_ratio` (token mean |log pi_theta - log pi_beh|) is
-the learner's drift from the pool's policy. One seed: no ±. Figure: accuracy, token-mean
-|log ratio| learner/behavior, normalized sequence ESS and grad norm against updates, one
-line per method (seed means).
+mean ± sample std (ddof = 1) over seeds, and n seeds; update 0 is the shared base policy.
+Then the final accuracy's paired differences (compare.py, stats.py): each method minus
+GRPO+TIS (else the first method) at each grid point, and each grid axis's values minus its
+first value within a method, seed by seed (a seed's cells share its pool and group order),
+with the 95 % t-interval (n - 1 dof), n and p; "n=1, no interval" for one seed. Offline
+training runs every update, so no cell stalls. Diagnostics table: each run's spec-9
+diagnostics averaged over one window common to every cell (the last quarter of the
+shortest planned run, stated in the caption), then mean ± sample std over seeds;
+`abs_log_ratio` (token mean |log pi_theta - log pi_beh|) is the learner's drift from the
+pool's policy. One seed: no ±. Figure: accuracy, token-mean |log ratio| learner/behavior,
+normalized sequence ESS and grad norm against updates, one line per method (seed means).
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from pipeline.core import grid
 from pipeline.core.config import PipelineConfig
 from pipeline.core.store import write_file_atomic, write_text_atomic
 from pipeline.dag import graph
+from pipeline.reports import compare
 from pipeline.services import tracking
 
 # the offline diagnostics table's columns (TRAIN_METRICS), drift from the pool first
@@ -42,14 +48,35 @@ def label_column(frame: pl.DataFrame) -> str:
 
 def summarize(evals: pl.DataFrame) -> pl.DataFrame:
     """evals: method, seed, update, accuracy [, cell, grid fields] -> method (or cell),
-    update, mean, std, seeds [, method, grid fields]: one row per cell and update."""
+    update, mean, std, seeds [, method, grid fields], then each seed's accuracy as
+    `seed_<seed>` (what the paired differences are computed from): one row per cell and
+    update."""
     by = label_column(evals)
     extra = [c for c in evals.columns if c not in (by, "seed", "update", "accuracy")]   # constant per cell
     order = {m: i for i, m in enumerate(evals[by].unique(maintain_order=True).to_list())}
+    seeds = evals["seed"].unique(maintain_order=True).to_list()
     return (evals.group_by([by, "update"], maintain_order=True)
             .agg(pl.col("accuracy").mean().alias("mean"), pl.col("accuracy").std(ddof=1).alias("std"),
-                 pl.len().alias("seeds"), *[pl.col(c).first() for c in extra])
+                 pl.len().alias("seeds"), *[pl.col(c).first() for c in extra],
+                 *[pl.col("accuracy").filter(pl.col("seed") == s).first().alias(f"{SEED}{s}") for s in seeds])
             .sort([pl.col(by).replace_strict(order), pl.col("update")]))
+
+
+SEED = "seed_"      # summarize's per-seed columns: seed_42, seed_1234, ...
+
+
+def seed_finals(summary: pl.DataFrame) -> pl.DataFrame:
+    """From summarize's frame: one row per cell and seed at the cell's last evaluated
+    update (compare.py's per_seed: cell, method, seed, value, update, stopped; offline
+    training runs every update, so nothing stopped)."""
+    by = label_column(summary)
+    final = summary.filter(pl.col("update") == pl.col("update").max().over(by))
+    cols = [c for c in final.columns if c.startswith(SEED)]
+    rows = [{"cell": r[by], "method": r.get("method", r[by]), "seed": int(c[len(SEED):]), "value": r[c],
+             "update": r["update"], "stopped": False}
+            for r in final.iter_rows(named=True) for c in cols if r[c] is not None]
+    return pl.DataFrame(rows, schema={"cell": pl.Utf8, "method": pl.Utf8, "seed": pl.Int64, "value": pl.Float64,
+                                      "update": pl.Int64, "stopped": pl.Boolean})
 
 
 def cell(mean: float, std: float | None) -> str:
@@ -74,44 +101,127 @@ def over_seeds(per_seed: pl.DataFrame, ids: list[str], values: list[str]) -> pl.
         pl.len().alias("seeds"))
 
 
-def last_quarter(curves: pl.DataFrame, ids: list[str], values: list[str]) -> pl.DataFrame:
-    """Each run's (ids, seed) values averaged over its updates after 3/4 of the largest
-    update of its cell (None where the run has none); then over_seeds."""
+PLANNED = "planned_updates"    # an online record's column: the updates its cell was to run
+
+
+def planned_updates(frame: pl.DataFrame) -> pl.Expr:
+    """The updates each row's run was to make: PLANNED where the rows carry it (online
+    records and curves), its `train.updates` where the grid sweeps it, else the largest
+    update in `frame` (every cell runs the experiment's train.updates)."""
+    for name in (PLANNED, "train.updates"):
+        if name in frame.columns:
+            return pl.col(name).cast(pl.Int64)
+    return pl.lit(frame["update"].max() if frame.height else 0, pl.Int64)
+
+
+def common_window(curves: pl.DataFrame) -> tuple[int, int]:
+    """(first, last) update of the diagnostics' window: the last quarter of the shortest
+    planned run (update > 3/4 of it), the same window for every cell compared."""
+    last = int(cast(int, curves.select(planned_updates(curves).min()).item()))
+    return math.floor(3 * last / 4) + 1, last
+
+
+def window_means(curves: pl.DataFrame, ids: list[str], values: list[str]) -> pl.DataFrame:
+    """Each run's (ids, seed) values averaged over the common window (common_window; None
+    where the run has no value there); then mean and `_std` over the seeds that reached the
+    window's last update, their number `seeds`, the seeds that stopped before it `stopped`
+    and their stops `stopped_at` ("16 28"), and the window as text `window` ("97-128")."""
     present = curves.with_columns(*[pl.lit(None, pl.Float64).alias(v) for v in values if v not in curves.columns])
-    last = present.filter(pl.col("update") > pl.col("update").max().over(ids) * 3 / 4)
-    per_seed = last.group_by(ids + ["seed"], maintain_order=True).agg(*[pl.col(v).drop_nulls().mean() for v in values])
-    return over_seeds(per_seed, ids, values)
+    first, last = common_window(present)
+    reached = present.group_by(ids + ["seed"], maintain_order=True).agg(pl.col("update").max().alias("reached"))
+    inside = present.filter(pl.col("update").is_between(first, last))
+    means = inside.group_by(ids + ["seed"]).agg(*[pl.col(v).drop_nulls().mean() for v in values])
+    per_seed = reached.join(means, on=ids + ["seed"], how="left", nulls_equal=True, maintain_order="left")
+    ok = pl.col("reached") >= last
+    per_seed = per_seed.with_columns(*[pl.when(ok).then(pl.col(v)).otherwise(None).alias(v) for v in values],
+                                     ok.alias("in_window"))
+    stops = pl.col("reached").filter(~pl.col("in_window")).sort()
+    return per_seed.group_by(ids, maintain_order=True).agg(
+        *[pl.col(v).mean() for v in values], *[pl.col(v).std(ddof=1).alias(f"{v}_std") for v in values],
+        pl.col("in_window").sum().cast(pl.Int64).alias("seeds"),
+        (~pl.col("in_window")).sum().cast(pl.Int64).alias("stopped"),
+        stops.cast(pl.Utf8).str.join(" ").alias("stopped_at"), pl.lit(f"{first}-{last}").alias("window"))
 
 
 def diagnostics(curves: pl.DataFrame) -> pl.DataFrame:
-    """The offline runs' diagnostics (DIAGNOSTICS) over the last quarter of their updates,
+    """The offline runs' diagnostics (DIAGNOSTICS) over the common window (window_means),
     mean and `_std` over seeds, one row per cell (or method)."""
     if not curves.height:        # nothing trained yet (`ggpo report` on a partly built experiment)
         return pl.DataFrame()
-    return last_quarter(curves, [label_column(curves)], list(DIAGNOSTICS))
+    return window_means(curves, [label_column(curves)], list(DIAGNOSTICS))
+
+
+WINDOW_COLUMNS = ("stopped", "stopped_at", "window")
+
+
+def window_sentence(diag: pl.DataFrame) -> str:
+    """The caption's statement of the window window_means used ('' for frames without one)."""
+    if "window" not in diag.columns or not diag.height:
+        return ""
+    first, last = diag["window"][0].split("-")
+    return (f" Every cell over the same updates {first}-{last} (the last quarter of the shortest planned run); "
+            f"a seed whose cell stopped before update {last} is left out of its cell's mean and named under seeds.")
+
+
+def seeds_text(r: dict) -> str:
+    """'3', or '2 of 3; 1 stopped at 16' where seeds stopped before the window's end."""
+    if not r.get("stopped"):
+        return str(r["seeds"])
+    return f"{r['seeds']} of {r['seeds'] + r['stopped']}; {r['stopped']} stopped at {r['stopped_at'].replace(' ', ', ')}"
 
 
 def markdown_diagnostics(diag: pl.DataFrame, values: list[str], title: str) -> str:
-    """A diagnostics frame (over_seeds columns) as Markdown: the ids, seeds, 'mean ± std'."""
-    ids = [c for c in diag.columns if c not in values and not c.endswith("_std") and c != "seeds"]
-    lines = [title, "", "| " + " | ".join(ids + ["seeds"] + values) + " |", "|" + "---|" * (len(ids) + 1 + len(values))]
+    """A diagnostics frame (over_seeds or window_means columns) as Markdown: the ids, the
+    seeds (and those that stopped before the window), 'mean ± std'."""
+    skip = set(values) | set(WINDOW_COLUMNS) | {"seeds"}
+    ids = [c for c in diag.columns if c not in skip and not c.endswith("_std")]
+    lines = [title + window_sentence(diag), "", "| " + " | ".join(ids + ["seeds"] + values) + " |",
+             "|" + "---|" * (len(ids) + 1 + len(values))]
     for r in diag.iter_rows(named=True):
-        lines.append("| " + " | ".join([str(r[c]) for c in ids + ["seeds"]] + [number(r[v], r[f"{v}_std"]) for v in values])
-                     + " |")
+        lines.append("| " + " | ".join([str(r[c]) for c in ids] + [seeds_text(r)]
+                                       + [number(r[v], r[f"{v}_std"]) for v in values]) + " |")
     return "\n".join(lines) + "\n"
 
 
 def markdown(summary: pl.DataFrame, metric: str) -> str:
+    """The accuracy table (mean ± sample std over seeds per cell and update, n seeds), then
+    the paired differences at each cell's final update (paired_tables)."""
     updates = sorted(summary["update"].unique().to_list())
     by = label_column(summary)
-    head = f"| {by} | " + " | ".join(f"update {u}" for u in updates) + " |"
-    lines = [f"Accuracy ({metric}, %, mean ± sample std over seeds)", "", head,
-             "|" + "---|" * (len(updates) + 1)]
+    head = f"| {by} | " + " | ".join(f"update {u}" for u in updates) + " | seeds |"
+    lines = [f"Accuracy ({metric}, %, mean ± sample std over seeds; offline training runs every update: no stalls)",
+             "", head, "|" + "---|" * (len(updates) + 2)]
     for method in summary[by].unique(maintain_order=True).to_list():
         rows = {r["update"]: r for r in summary.filter(pl.col(by) == method).iter_rows(named=True)}
         cells = [cell(rows[u]["mean"], rows[u]["std"]) if u in rows else "" for u in updates]
-        lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| {method} | " + " | ".join(cells) + f" | {rows[max(rows)]['seeds']} |")
+    return "\n".join(lines) + "\n" + paired_tables(summary, metric)
+
+
+def paired_tables(summary: pl.DataFrame, metric: str) -> str:
+    """Final accuracy, paired by seed (one seed's cells share its pool and group order):
+    each method minus the reference (compare.reference_method) at each grid point, and
+    along each grid axis within a method; '' without per-seed columns or comparisons."""
+    per_seed = seed_finals(summary)
+    if not per_seed.height:
+        return ""
+    ref, to_ref = compare.paired_to_reference(per_seed)
+    along = compare.paired_along_axes(per_seed)
+    parts = []
+    if to_ref.height:
+        parts.append(compare.markdown_paired(to_ref, PAIRED_TITLE.format(metric=metric, ref=ref)))
+    if along.height:
+        parts.append(compare.markdown_paired(along, AXES_TITLE.format(metric=metric), **compare.AXIS_COLUMNS))
+    return "".join("\n" + p for p in parts)
+
+
+PAIRED_TITLE = ("Paired differences in final accuracy ({metric}, percentage points): each method minus {ref} at the "
+                "same grid point, seed by seed (a seed's cells share its pool and the seeded group order). Mean "
+                "difference, 95% t-interval (n - 1 dof), n = seeds in both cells, two-sided p of no difference; "
+                "stalls k/n of the method's cell and of {ref}'s.")
+AXES_TITLE = ("Paired differences in final accuracy ({metric}, percentage points) along each grid axis: within a "
+              "method, each value minus the axis's first value, the other axes held, seed by seed (95% t-interval, "
+              "n - 1 dof).")
 
 
 def figure(evals: pl.DataFrame, curves: pl.DataFrame, path: Path) -> None:
@@ -139,8 +249,8 @@ def figure(evals: pl.DataFrame, curves: pl.DataFrame, path: Path) -> None:
     plt.close(fig)
 
 
-DIAGNOSTICS_TITLE = ("Diagnostics over the last quarter of updates (mean ± sample std over seeds; abs_log_ratio: "
-                     "drift from the pool's policy, token mean |log ratio|)")
+DIAGNOSTICS_TITLE = ("Diagnostics (each seed's mean over the window, then mean ± sample std over seeds; abs_log_ratio: "
+                     "drift from the pool's policy, token mean |log ratio|).")
 
 
 def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) -> dict[str, Path]:
