@@ -3,7 +3,7 @@ implementation of each formula in docs/math.md ("Off-policy corrections"), writt
 plain per-token loops: the loss, every token's gradient coefficient d loss / d lp (read
 through autograd, as tests/test_losses.py reads the existing losses') and each rule's
 clipped / truncated / masked fractions, on responses of unequal lengths (padding), both signs
-of advantage, and ratios inside and outside each band. Costs well under a second in all."""
+of advantage, and ratios inside and outside each band. Each case takes well under a second."""
 from __future__ import annotations
 
 import math

@@ -158,13 +158,13 @@ def m2po_keep(m2: Tensor, mask: Tensor, threshold: float) -> Tensor:
     that the mean m2 of the kept ones is below `threshold` (all but one when none is). m2,
     mask [G, m, T] -> keep [G, m, T] bool; padding is never kept."""
     valid = mask > 0
-    values = m2[valid]
+    values = m2[valid].double()     # suffix means over thousands of tokens: fp32 sums would drift
     keep = torch.zeros_like(valid)
     if values.numel() == 0:
         return keep
     ordered, order = torch.sort(values, descending=True, stable=True)
     n = ordered.numel()
-    suffix_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, device=m2.device, dtype=m2.dtype)
+    suffix_mean = ordered.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, device=m2.device, dtype=torch.float64)
     below = torch.nonzero(suffix_mean < threshold)
     n_drop = int(below[0, 0]) if below.numel() else n - 1
     kept = torch.ones(n, dtype=torch.bool, device=m2.device)
