@@ -75,20 +75,20 @@ def _ppo_old(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, Tensor, Tensor]
 
 def tis_seq_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     """Sequence-level TIS: PPO-clip against lp_old times w_i = min(prod_t pi_old/mu, C), one
-    detached weight per response, C = train.tis_cap. [G, m, T] -> 0-dim."""
+    detached weight per response, C = train.tis_cap. lp, lp_old, lp_beh [G, m, T] -> 0-dim."""
     _need(inp, "tis_seq", old=True, beh=True)
     assert inp.lp_old is not None and inp.lp_beh is not None
     _, pg, clipped = _ppo_old(inp, cfg)
     log_w = ((inp.lp_old - inp.lp_beh) * inp.mask).sum(-1, keepdim=True).detach()      # [G, m, 1]
-    w = torch.clamp(safe_exp_ratio(log_w), max=cfg.tis_cap)
-    over = safe_exp_ratio(log_w) > cfg.tis_cap
+    ratio = safe_exp_ratio(log_w)
+    w, over = torch.clamp(ratio, max=cfg.tis_cap), ratio > cfg.tis_cap
     return _finish(w * pg, inp, cfg, {"clip_frac": token_frac(clipped, inp), "trunc_frac": token_frac(over, inp),
                                       "seq_trunc_frac": seq_frac(over[..., 0], inp)})
 
 
 def icepop_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     """Masked IS (IcePop): PPO-clip against lp_old times w = pi_old/mu where a <= w <= b, 0
-    outside (a, b = train.is_threshold_low/high), detached. [G, m, T] -> 0-dim."""
+    outside (a, b = train.is_threshold_low/high), detached. lp, lp_old, lp_beh [G, m, T] -> 0-dim."""
     _need(inp, "icepop", old=True, beh=True)
     assert inp.lp_old is not None and inp.lp_beh is not None
     _, pg, clipped = _ppo_old(inp, cfg)
@@ -99,7 +99,8 @@ def icepop_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
 
 def geo_mask_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     """Geometric sequence masking: PPO-clip against lp_old on the responses whose geometric-mean
-    ratio exp(mean_t log pi_old/mu) lies in [geo_mask_low, geo_mask_high]; others dropped."""
+    ratio exp(mean_t log pi_old/mu) lies in [geo_mask_low, geo_mask_high]; others dropped.
+    lp, lp_old, lp_beh [G, m, T] -> 0-dim."""
     _need(inp, "geo_mask", old=True, beh=True)
     assert inp.lp_old is not None and inp.lp_beh is not None
     _, pg, clipped = _ppo_old(inp, cfg)
@@ -111,7 +112,8 @@ def geo_mask_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
 
 def opsm_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     """OPSM (DeepSeek-V3.2): PPO-clip against lp_old, dropping a response with A < 0 whose
-    mean_t (lp_beh - lp) exceeds delta = train.opsm_delta (lp detached in the rule)."""
+    mean_t (lp_beh - lp) exceeds delta = train.opsm_delta (lp detached in the rule).
+    lp, lp_old, lp_beh [G, m, T], A [G, m] -> 0-dim."""
     _need(inp, "opsm", old=True, beh=True)
     assert inp.lp_old is not None and inp.lp_beh is not None
     adv, pg, clipped = _ppo_old(inp, cfg)
@@ -124,7 +126,7 @@ def opsm_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
 def cispo_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     """CISPO: loss_tok = -sg(clip(r, 1 - eps_l, 1 + eps_h)) A lp, r = pi/pi_old (eps =
     train.cispo_eps_clip_low/high): REINFORCE with a clipped, detached weight; every token keeps
-    a gradient. [G, m, T] -> 0-dim."""
+    a gradient. lp, lp_old [G, m, T] -> 0-dim."""
     _need(inp, "cispo", old=True)
     assert inp.lp_old is not None
     adv = _advantages(inp, cfg)
@@ -140,7 +142,8 @@ GSPO_LOG_RATIO_MAX = 10.0
 def gspo_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     """GSPO: one ratio per response s_i = exp(mean_t log pi/pi_old), carried per token as
     sg(s_i) pi_t / sg(pi_t) (verl), PPO-clipped to [1 - eps_l, 1 + eps_h] (train.gspo_eps_*),
-    no dual clip. Each token's gradient is -A s_i d lp_t inside the clip. [G, m, T] -> 0-dim."""
+    no dual clip. Each token's gradient is -A s_i d lp_t inside the clip. lp, lp_old [G, m, T]
+    -> 0-dim."""
     _need(inp, "gspo", old=True)
     assert inp.lp_old is not None
     adv = _advantages(inp, cfg)
@@ -174,7 +177,8 @@ def m2po_keep(m2: Tensor, mask: Tensor, threshold: float) -> Tensor:
 
 
 def _decoupled(inp: LossInputs, cfg: TrainConfig, method: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(pg, PPO clip flags, behavior weight w = pi_old/mu zeroed above the cap, the cap's drops)."""
+    """(pg, PPO clip flags, behavior weight w = pi_old/mu zeroed above the cap, the cap's drops),
+    each [G, m, T]."""
     _need(inp, method, old=True, beh=True)
     assert inp.lp_old is not None and inp.lp_beh is not None
     _, pg, clipped = _ppo_old(inp, cfg)
@@ -185,14 +189,16 @@ def _decoupled(inp: LossInputs, cfg: TrainConfig, method: str) -> tuple[Tensor, 
 
 def decoupled_ppo_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     """Decoupled PPO (AReaL): PPO-clip against the proximal policy lp_old times the detached
-    behavior weight pi_old/mu, tokens whose weight exceeds train.behave_imp_weight_cap masked."""
+    behavior weight pi_old/mu, tokens whose weight exceeds train.behave_imp_weight_cap masked.
+    lp, lp_old, lp_beh [G, m, T] -> 0-dim."""
     pg, clipped, w, over = _decoupled(inp, cfg, "decoupled_ppo")
     return _finish(w * pg, inp, cfg, {"clip_frac": token_frac(clipped, inp), "mask_frac": token_frac(over, inp)})
 
 
 def m2po_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     """M2PO (AReaL): decoupled PPO on the tokens left after M2PO's mask of m2 = (lp_beh -
-    lp_old)^2 at train.m2_threshold, taken over this micro-batch's tokens as AReaL does."""
+    lp_old)^2 at train.m2_threshold, taken over this micro-batch's tokens as AReaL does.
+    lp, lp_old, lp_beh [G, m, T] -> 0-dim."""
     pg, clipped, w, over = _decoupled(inp, cfg, "m2po")
     assert inp.lp_old is not None and inp.lp_beh is not None
     keep = m2po_keep(((inp.lp_beh - inp.lp_old) ** 2).detach(), inp.mask, cfg.m2_threshold)
@@ -204,7 +210,7 @@ def m2po_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
 def dppo_tv_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     """DPPO-TV (prime-rl's default loss): loss_tok = -keep A rho + kl_tau (log rho)^2, rho =
     pi/mu with its gradient; a token is dropped when A > 0 and p - p_beh > delta_h, or A <= 0
-    and p - p_beh < -delta_l (p = exp lp). [G, m, T] -> 0-dim."""
+    and p - p_beh < -delta_l (p = exp lp). lp, lp_beh [G, m, T] -> 0-dim."""
     _need(inp, "dppo_tv", beh=True)
     assert inp.lp_beh is not None
     adv = _advantages(inp, cfg)
@@ -218,7 +224,7 @@ def dppo_tv_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
 
 def topr_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     """TOPR (ROLL): loss_tok = -c A lp with c = 1 on responses of reward > 0 (no IS) and
-    c = sg(clip(pi/pi_old, 0, 1)) on the others. [G, m, T] -> 0-dim."""
+    c = sg(clip(pi/pi_old, 0, 1)) on the others. lp, lp_old [G, m, T], rewards [G, m] -> 0-dim."""
     _need(inp, "topr", old=True)
     assert inp.lp_old is not None
     adv = _advantages(inp, cfg)
@@ -229,7 +235,8 @@ def topr_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
 
 
 def plain_is_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
-    """Plain IS: loss_tok = -(pi/mu) A, the ratio unclipped and differentiated (no rule)."""
+    """Plain IS: loss_tok = -(pi/mu) A, the ratio unclipped and differentiated (no rule).
+    lp, lp_beh [G, m, T] -> 0-dim."""
     _need(inp, "plain_is", beh=True)
     assert inp.lp_beh is not None
     adv = _advantages(inp, cfg)
