@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.core.config import load_config
 from pipeline.core.errors import DamagedArtifact, StoreError
 from pipeline.core.store import MANIFEST, Manifest, Store, check_store
 from stages import filter as filt
@@ -223,6 +224,36 @@ def test_s3_artifact_without_manifest_is_never_read(tmp_path, monkeypatch, s3_en
     monkeypatch.setenv("GGPO_STAGING", str(tmp_path / "third"))
     manifest, problems = Store(url).inspect("filter", filtered.key)
     assert len(problems) == 1 and "train_pool.parquet is missing at s3://" in problems[0]
+
+
+def test_s3_one_build_of_a_key_at_a_time(tmp_path, monkeypatch, s3_endpoint, s3_env):
+    """The store's own claim on a key (a conditional put, If-None-Match: *): a second claim
+    gets the first one's record, a release that is not the holder's keeps it; a stage run
+    whose key another machine builds (its flock is on that machine) stops in one StoreError
+    line naming the holder; once the claim is gone the key is built and its claim removed."""
+    from test_store import counting_spec
+
+    from pipeline.core import remote_store
+    from pipeline.dag.spec import key_for, run_stage
+    url = f"s3://{BUCKET}/claims-{tmp_path.name}"
+    monkeypatch.setenv("GGPO_CACHE_OPTIONS", json.dumps({"endpoint_url": s3_endpoint}))
+    monkeypatch.setenv("GGPO_STAGING", str(tmp_path / "here"))
+    store, cfg, calls = Store(url), load_config("smoke"), []
+    name = store.folder("toy", key_for(counting_spec(calls), cfg, {})).name
+    other = json.dumps({"pid": 7, "host": "another-box", "since": "2026-12-03T10:00:00Z"})
+    assert remote_store.claim(store.remote, name, other) is None
+    assert remote_store.claim(store.remote, name, "mine") == other
+    remote_store.release(store.remote, name, "mine")        # not the holder: kept
+    with pytest.raises(StoreError) as err:
+        run_stage(counting_spec(calls), cfg, {}, store)
+    line = str(err.value)
+    assert "\n" not in line and calls == [] and line.startswith(f"artifact {name} (stage toy) at {url} is being built by "
+                                                                 f"process 7 on host another-box")
+    assert f"(claim {url}/.locks/{name}.json)" in line
+    remote_store.release(store.remote, name, other)
+    built = run_stage(counting_spec(calls), cfg, {}, store)
+    assert not built.cache_hit and len(calls) == 1
+    assert not store.remote.fs.exists(remote_store.lock_path(store.remote, name))
 
 
 # --- bad input -------------------------------------------------------------------------

@@ -262,3 +262,55 @@ def check_remote(url: str) -> None:
         raise
     except Exception as exc:
         raise StoreError(describe(exc, url)) from None
+
+
+# ---------------------------------------------------------------- one build of a key at a time
+# On one machine processes sharing a mirror serialize their builds of a key with a flock
+# (pipeline/core/store.py, Store.build_lock). Across machines (or mirrors) no flock reaches:
+# a build of a key also claims a lock object `<root>/.locks/<stage>-<key16>.json` (outside
+# the artifact's folder, which `clear` removes), created only if absent: S3's conditional
+# put (If-None-Match: *, s3fs mode="create"), O_EXCL on a `file://` root; on other
+# protocols fsspec checks for it first, which leaves a short race. A claim held by another
+# live process on this host is waited for; one held elsewhere (or by a process this host
+# cannot see) stops the run in one line naming the holder and the object, rather than
+# build the key twice into one remote folder. A holder that died (SIGKILL, a lost machine)
+# leaves its object behind: one on this host whose process is gone is taken over; another
+# host's is named in that line, to delete once that run is known to be gone.
+LOCKS = ".locks"
+
+
+def lock_path(remote: "Remote", name: str) -> str:
+    return f"{remote.path(LOCKS)}/{name}.json"
+
+
+def claim(remote: "Remote", name: str, text: str) -> str | None:
+    """Create the lock object of `name` holding `text`; None when created (ours), else the
+    text of the claim that holds it."""
+    path = lock_path(remote, name)
+    fs = remote.fs
+    try:
+        if "file" in _protocols(fs):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        else:
+            remote.call(fs.pipe_file, path, text.encode(), mode="create")
+        return None
+    except (FileExistsError, OSError, StoreError) as exc:
+        # s3fs reports a failed If-None-Match as OSError(EINVAL): whether it is a claim is
+        # what the object says
+        try:
+            return remote.call(fs.cat_file, path).decode()
+        except FileNotFoundError:
+            raise exc from None
+
+
+def release(remote: "Remote", name: str, text: str) -> None:
+    """Remove the lock object of `name` if it still holds `text` (ours)."""
+    path = lock_path(remote, name)
+    try:
+        if remote.call(remote.fs.cat_file, path).decode() == text:
+            remote.call(remote.fs.rm, path)
+    except FileNotFoundError:
+        pass

@@ -28,6 +28,17 @@ Stages still build into and read from a local folder, the mirror (`Store.root`, 
 manifest last; `load` reads the remote manifest (none: not built, never read), downloads
 the artifact into the mirror once, and checks it like a local one. A plain path is used in
 place, as before. `check_store` opens the store before any work (one line if it cannot).
+
+One build of a key at a time. `build_lock(stage, key)` (held by run_stage from before its
+second cache lookup until the manifest is written) is an exclusive flock on
+`<root>/.<stage>-<key16>.build.lock`, beside the artifact's folder, holding who builds it
+(pid, host, since). A second process (or thread) that needs the key waits, says so in one
+line naming the holder, then finds the artifact in the cache. The kernel releases a flock
+when its holder dies, SIGKILL included: the waiter then rebuilds (an interrupted build, as
+above). A flock reaches the processes of one machine (on NFS, Linux maps it to a POSIX
+lock the server keeps). A remote store also takes a claim in the store itself
+(`pipeline/core/remote_store.py`, "one build of a key at a time"): a key being built on
+another machine stops the run in one line instead of two builds uploading into one folder.
 """
 from __future__ import annotations
 
@@ -36,6 +47,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -45,7 +57,7 @@ from typing import Any, Callable, Iterator
 from pydantic import BaseModel
 
 from pipeline.core.errors import DamagedArtifact, DiskFull, StoreError, is_disk_full
-from pipeline.core.remote_store import Remote, check_remote, is_url, mirror_root
+from pipeline.core.remote_store import Remote, check_remote, claim, is_url, lock_path, mirror_root, release
 
 CACHE_ENV = "GGPO_CACHE"
 MANIFEST = "manifest.json"
@@ -328,6 +340,102 @@ def mirror_lock(root: Path, name: str) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
+# ---------------------------------------------------------------- one build of a key at a time
+
+LOCK_POLL_S = 0.25          # a waiting build looks again this often (a syscall: nothing)
+REMOTE_POLL_S = 2.0         # ... and at a remote claim (a request each time)
+
+
+def lock_file(root: Path, name: str) -> Path:
+    """The build lock of the artifact folder `name`: beside it, hidden (never an artifact folder)."""
+    return root / f".{name}.build.lock"
+
+
+def holder_record(stage: str, key: str) -> str:
+    """What a build lock holds while held: who builds which key, since when."""
+    return canonical_json({"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso(),
+                           "stage": stage, "key": key})
+
+
+def holder_text(raw: str) -> str:
+    """'process 4242 on host h (since 2026-12-03 16:55:21 UTC)' from a lock's record."""
+    try:
+        who = json.loads(raw)
+        return f"process {who['pid']} on host {who['host']} (since {who['since'].replace('T', ' ').rstrip('Z')} UTC)"
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "another process (not named yet)"
+
+
+def alive_here(raw: str) -> bool | None:
+    """Whether the process a lock record names is alive: True or False for one of this host,
+    None for another host's (or an unreadable record): it cannot be seen from here."""
+    try:
+        who = json.loads(raw)
+        pid, host = int(who["pid"]), who["host"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # alive, another user's
+        return True
+    return True
+
+
+def read_record(path: Path) -> str:
+    """The lock file's record; its holder writes it just after taking the lock, so an empty
+    one is read again for a moment."""
+    text = ""
+    for _ in range(25):
+        try:
+            text = path.read_text()
+        except OSError:
+            return ""
+        if text:
+            return text
+        time.sleep(0.02)
+    return text
+
+
+@contextmanager
+def flock_wait(path: Path, record: str, what: str, on_wait: Callable[[], None]) -> Iterator[bool]:
+    """An exclusive flock on `path` (created), holding `record` while held. Held by another
+    process or thread: waited for, said once in one line (`what`, who holds it), `on_wait()`
+    between looks (it may raise to stop waiting). Yields whether it waited."""
+    try:
+        import fcntl
+    except ImportError:     # not POSIX: no cross-process lock
+        yield False
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        waited = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not waited:
+                    log.info("%s is being built by %s; waiting for it (lock %s)", what,
+                             holder_text(read_record(path)), path)
+                    waited = True
+                on_wait()
+                time.sleep(LOCK_POLL_S)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, record.encode(), 0)
+        try:
+            yield waited
+        finally:
+            os.ftruncate(fd, 0)     # no stale name for the next waiter to quote
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 class Store:
     """root: the local folder artifacts are built in and read from. url: the remote root
     when GGPO_CACHE (or `root`) is a URL, else None."""
@@ -426,6 +534,49 @@ class Store:
 
     def check(self, manifest: Manifest, hashes: bool = True) -> list[str]:
         return check(manifest, hashes)
+
+    @contextmanager
+    def build_lock(self, stage: str, key: str, on_wait: Callable[[], None] = lambda: None) -> Iterator[bool]:
+        """Held while this process builds (stage, key): a flock beside its folder (module
+        docstring), and for a remote store a claim in the store too. Yields whether it
+        waited for another holder (who may have built it meanwhile: look again)."""
+        name = self.folder(stage, key).name
+        record = holder_record(stage, key)
+        with flock_wait(lock_file(self.root, name), record, f"{stage}: {key[:16]}", on_wait) as waited:
+            if self.remote is None:
+                yield waited
+                return
+            with self._remote_claim(stage, key, record, on_wait) as waited_there:
+                yield waited or waited_there
+
+    @contextmanager
+    def _remote_claim(self, stage: str, key: str, record: str, on_wait: Callable[[], None]) -> Iterator[bool]:
+        """The store's own claim on (stage, key) (remote_store.claim): a live holder on this
+        host is waited for, a dead one's claim taken over, another host's is one StoreError."""
+        assert self.remote is not None      # build_lock calls this for a remote store only
+        name, waited = self.folder(stage, key).name, False
+        while (held := claim(self.remote, name, record)) is not None:
+            alive = alive_here(held)
+            where = f"{self.url}/{lock_path(self.remote, name).rsplit('/', 2)[-2]}/{name}.json"
+            if alive is False:      # killed mid-build (its flock went with it; this claim stays)
+                log.warning("%s: %s was claimed by %s, which is gone; building it here (claim %s replaced)",
+                            stage, key[:16], holder_text(held), where)
+                release(self.remote, name, held)
+                continue
+            if alive is None:
+                raise StoreError(f"artifact {name} (stage {stage}) at {self.url} is being built by {holder_text(held)} "
+                                 f"(claim {where}); this run does not build it too: rerun once that run is done, "
+                                 f"or delete the claim if that run is gone")
+            if not waited:
+                log.info("%s: %s is being built by %s; waiting for it (claim %s)", stage, key[:16],
+                         holder_text(held), where)
+                waited = True
+            on_wait()
+            time.sleep(REMOTE_POLL_S)
+        try:
+            yield waited
+        finally:
+            release(self.remote, name, record)
 
     def begin(self, stage: str, key: str, keep: tuple[str, ...] = ()) -> Path:
         """A clean work folder for a build; an old manifest (forced rerun) and any

@@ -150,14 +150,32 @@ def _run_stage(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manife
     input_keys = {name: m.key for name, m in sorted(inputs.items())}
     content = content_key(spec, config)
     key = key_for(spec, config, input_keys, content)
-    if not force:
-        hit = store.load(spec.name, key)
-        if hit is not None:
-            log.info("%s: %s, %s", spec.name, outcome(hit.model_copy(update={"cache_hit": True})), key[:16])
-            return hit.model_copy(update={"cache_hit": True})
+    if not force and (hit := cached(spec, store, key)) is not None:
+        return hit
+    # one build of a key at a time, across processes (Store.build_lock): a second process
+    # waits here, then finds the artifact the first one built
+    with store.build_lock(spec.name, key, on_wait=lambda: interrupt.check(f"{spec.name} waiting for {key[:16]}")):
+        if not force and (hit := cached(spec, store, key)) is not None:
+            return hit
+        return build(spec, config, inputs, store, force, ctx, key, content)
+
+
+def cached(spec: StageSpec, store: Store, key: str) -> Manifest | None:
+    """The intact artifact of `key` as a cache hit (logged), or None."""
+    hit = store.load(spec.name, key)
+    if hit is None:
+        return None
+    log.info("%s: %s, %s", spec.name, outcome(hit.model_copy(update={"cache_hit": True})), key[:16])
+    return hit.model_copy(update={"cache_hit": True})
+
+
+def build(spec: StageSpec, config: PipelineConfig, inputs: dict[str, Manifest], store: Store, force: bool,
+          ctx: Any, key: str, content: dict[str, str]) -> Manifest:
+    """Build `key` into its folder and commit it, manifest last (under its build lock)."""
     extra = check_context(spec, key, ctx)
     interrupt.check(f"{spec.name} not started")     # stopping: begin nothing new
     verify_inputs(spec, inputs)
+    input_keys = {name: m.key for name, m in sorted(inputs.items())}
     # a forced rerun starts from scratch; an interrupted one keeps what lets it resume
     folder = store.begin(spec.name, key, keep=() if force else spec.keep_on_rebuild)
     log.info("%s: building %s in %s", spec.name, key[:16], folder)
