@@ -66,11 +66,12 @@ SEED = "seed_"      # summarize's per-seed columns: seed_42, seed_1234, ...
 
 
 def seed_finals(summary: pl.DataFrame) -> pl.DataFrame:
-    """From summarize's frame: one row per cell and seed at the cell's last evaluated
-    update (compare.py's per_seed: cell, method, seed, value, update, stopped; offline
-    training runs every update, so nothing stopped)."""
+    """From summarize's frame: one row per cell and seed at its planned last update
+    (compare.py's per_seed: cell, method, seed, value, update, stopped; offline training
+    runs every update, so nothing stopped). A cell not evaluated there yet (`ggpo report`
+    on a partly built cache) has no row, so no comparison pairs two different updates."""
     by = label_column(summary)
-    final = summary.filter(pl.col("update") == pl.col("update").max().over(by))
+    final = summary.filter(pl.col("update") == planned_updates(summary))
     cols = [c for c in final.columns if c.startswith(SEED)]
     rows = [{"cell": r[by], "method": r.get("method", r[by]), "seed": int(c[len(SEED):]), "value": r[c],
              "update": r["update"], "stopped": False}
