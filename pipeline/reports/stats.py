@@ -127,8 +127,9 @@ def paired(a: Mapping[Any, float], b: Mapping[Any, float], level: float = LEVEL)
 
 
 def welch(a: Sequence[float], b: Sequence[float], level: float = LEVEL) -> Estimate:
-    """mean(a) - mean(b) of two independent samples (Welch's unequal-variance t); no
-    interval unless both have two values or more."""
+    """mean(a) - mean(b) of two independent samples (Welch's unequal-variance t; `n` is
+    the number of values in both, `dof` Welch-Satterthwaite's); no interval unless both
+    have two values or more."""
     xa, xb = checked(a, "welch a"), checked(b, "welch b")
     if not xa or not xb:
         raise ValueError("welch: each sample needs at least one value")
