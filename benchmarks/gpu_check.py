@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/gpu_check.py [--out figures.json]    # one H200: about 5-8 min
     .venv/bin/python benchmarks/gpu_check.py --quick                 # CPU smoke run, about 1 min
+    (on a GPU box the device kit's one command, `bash .whl/gpu-run.sh`, runs it)
 
 Builds a randomly initialised model with Qwen3-1.7B's architecture (28 layers, hidden 2048,
 16 heads / 8 KV heads of 128, MLP 6144, vocab 151,936, tied embeddings) and a small BPE
@@ -23,8 +24,24 @@ figures a section had before it failed):
       The reference forward and checkpoint recompute count as overhead.
   (b) the transformers engine's generation tokens/s (64 prompts x 256 new tokens), with the
       lean decode step against transformers' forward: the time ratio, and whether every
-      token drawn is the same (it must be: the logits are equal bit for bit).
+      token drawn is the same (it must be: the logits are equal bit for bit). Stop ids that
+      fire (every stop_every-th token id) make rows finish, so the batch shrinks (and, past
+      64 new tokens, the lean cache grows); two draws, padded prompts (the masked path) and
+      one prompt repeated (the unmasked path). Reported: `lean` (still on after the draws),
+      `lean_checked` (its first-step check passed) and `lean_checks` (every check the lean
+      step ran: forward or attention layout, path, rows, buffer columns, equal).
   (c) vLLM's generation tokens/s through the project's VLLMEngine, or "vllm: not installed".
+  (d) attention kernels: a short generation and a padded update (8 groups x 8 responses of
+      1,024 tokens) under the project's SDPA choice (pipeline/models/runtime.py
+      attention_backends: flash > memory-efficient > math), under each SDPA backend alone, and
+      under torch's own choice (cuDNN first on an H200 with CUDA 13): seconds, tokens/s, and
+      which SDPA kernels ran (the aten ops a profiled forward called). A backend that cannot
+      run a shape (flash takes no padding mask) reports its error.
+
+Refuses a box it cannot use, in one line and exit status 2, before building anything: no
+CUDA device (a CPU build of torch, no NVIDIA driver), or a driver older than the torch
+wheel's CUDA needs (DRIVER_FOR_CUDA: CUDA 13, torch 2.14.0 from PyPI and vLLM 0.33, needs
+driver >= 580). --quick runs the miniature on whatever device there is.
 
 Uses from the project: pipeline.models.runtime.make_runtime (Runtime.prepare / prepare_reference),
 pipeline.training.loop.Pool and run_update(..., runtime=rt), pipeline.models.engines.hf.TransformersEngine,
@@ -34,10 +51,12 @@ All figures go to stdout, and as JSON to --out when given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
 import random
+import re
 import sys
 import tempfile
 import time
@@ -54,10 +73,17 @@ SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 FULL = dict(layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=6144,
             vocab=151_936, tok_vocab=8_000, groups=32, group_size=8, prompt_len=32,
             lengths=[1024, 3072], gen_prompts=64, gen_tokens=256, vllm_prompts=128, vllm_n=8,
-            vllm_tokens=512)
+            vllm_tokens=512, stop_every=32, kernel_groups=8, kernel_length=1024, kernel_prompts=32,
+            kernel_tokens=32)
 QUICK = dict(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=128,
              vocab=512, tok_vocab=300, groups=2, group_size=8, prompt_len=8,
-             lengths=[64], gen_prompts=4, gen_tokens=16, vllm_prompts=4, vllm_n=2, vllm_tokens=16)
+             lengths=[64], gen_prompts=4, gen_tokens=16, vllm_prompts=4, vllm_n=2, vllm_tokens=16,
+             stop_every=16, kernel_groups=1, kernel_length=16, kernel_prompts=4, kernel_tokens=8)
+# the NVIDIA driver a wheel built for each CUDA major version needs (CUDA's minor-version
+# compatibility floors: 13.x >= 580, 12.x >= 525.60.13, 11.x >= 450.80.02)
+DRIVER_FOR_CUDA = {13: (580,), 12: (525, 60, 13), 11: (450, 80, 2)}
+INSTALL = ("install torch 2.14.0 from PyPI (built for CUDA 13.0; vLLM 0.33 from `pip install 'ggpo[gpu]'` needs "
+           "the same) on a machine with an NVIDIA GPU and driver >= 580, or run --quick for the CPU smoke run")
 
 
 def section(title: str) -> None:
@@ -120,9 +146,10 @@ def build_model(g: dict, device: torch.device):
     return model
 
 
-def make_pool(g: dict, length: int, seed: int):
+def make_pool(g: dict, length: int, seed: int, ragged: bool = False):
     """A pool of random token ids: `groups` groups x `group_size` responses of `length`
-    tokens, mixed 0/1 rewards per group, behaviour log-probs near a uniform model's."""
+    tokens (ragged: of length/2 to length tokens, so a padded batch has padding), mixed 0/1
+    rewards per group, behaviour log-probs near a uniform model's."""
     from pipeline.training.loop import Pool
     rng = random.Random(seed)
     m, n, top = g["group_size"], g["groups"], g["vocab"] - 1
@@ -130,10 +157,11 @@ def make_pool(g: dict, length: int, seed: int):
     rewards = torch.zeros(n, m, dtype=torch.float64)
     for j in range(n):
         rewards[j, rng.sample(range(m), rng.randint(1, m - 1))] = 1.0
+    sizes = [[rng.randint(length // 2, length) if ragged else length for _ in range(m)] for _ in range(n)]
     return Pool(group_ids=list(range(n)),
                 prompt_ids=[[rng.randint(4, top) for _ in range(g["prompt_len"])] for _ in range(n)],
-                responses=[[[rng.randint(4, top) for _ in range(length)] for _ in range(m)] for _ in range(n)],
-                lp_beh=[[[lp] * length for _ in range(m)] for _ in range(n)],
+                responses=[[[rng.randint(4, top) for _ in range(k)] for k in row] for row in sizes],
+                lp_beh=[[[lp] * k for k in row] for row in sizes],
                 rewards=rewards, group_size=m)
 
 
@@ -232,31 +260,47 @@ def train_section(model, g: dict, args, out: dict | None = None) -> dict:
     return result
 
 
+def stop_ids(g: dict, eos: int) -> list[int]:
+    """Stop ids that fire on a random model: every stop_every-th token id (a near-uniform
+    draw stops a row with chance ~1/stop_every a step), so rows finish at different steps."""
+    return sorted({eos, *range(4, g["vocab"], g["stop_every"])})
+
+
 def transformers_section(folder: Path, g: dict, device: torch.device, threads: int) -> dict:
-    """(b): TransformersEngine generation on the model folder."""
+    """(b): TransformersEngine generation on the model folder, the lean decode step against
+    transformers' forward, with rows that stop (the batch shrinks) on two draws: prompts of
+    several lengths (padded: the masked path) and one prompt repeated (the unmasked path)."""
     from pipeline.models.engines import SamplingParams
     from pipeline.models.engines.hf import TransformersEngine
     kwargs = {"batch_prompts": g["gen_prompts"], "threads": threads, "device": str(device)}
     t0 = time.perf_counter()
     engine = TransformersEngine(str(folder), **kwargs)
     load_s = time.perf_counter() - t0
-    prompts = corpus(g["gen_prompts"], seed=7)
+    engine.stop_ids = stop_ids(g, engine.tokenizer.eos_token_id)
+    draws = {"padded": corpus(g["gen_prompts"], seed=7), "unpadded": corpus(1, seed=9) * g["gen_prompts"]}
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=g["gen_tokens"], seed=0)
-    timed = {}
+    timed: dict = {}
     for lean in (False, True):      # transformers' forward, then the lean decode step (engines/decode.py)
         engine.lean = lean
-        sync(device)
-        t0 = time.perf_counter()
-        outs = engine.generate(prompts, params)
-        sync(device)
-        timed[lean] = (time.perf_counter() - t0, [c.token_ids for grp in outs for c in grp])
-    secs, ids = timed[True]
-    tokens = sum(map(len, ids))
-    r = {"device": kwargs["device"], "prompts": len(prompts), "max_new_tokens": g["gen_tokens"],
-         "tokens": tokens, "load_seconds": round(load_s, 2), "seconds": round(secs, 2),
+        for name, prompts in draws.items():
+            sync(device)
+            t0 = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            sync(device)
+            timed[lean, name] = (time.perf_counter() - t0, [c.token_ids for grp in outs for c in grp])
+    secs = sum(timed[True, name][0] for name in draws)
+    ids = [timed[True, name][1] for name in draws]
+    tokens = sum(len(x) for draw in ids for x in draw)
+    lengths = [len(x) for x in ids[0]]
+    r = {"device": kwargs["device"], "prompts": g["gen_prompts"], "draws": list(draws), "max_new_tokens": g["gen_tokens"],
+         "tokens": tokens, "rows_stopped": sum(n < g["gen_tokens"] for draw in ids for n in map(len, draw)),
+         "shortest_row": min(lengths), "load_seconds": round(load_s, 2), "seconds": round(secs, 2),
          "tokens_per_s": round(tokens / secs, 1),
-         "lean_over_transformers_seconds": round(secs / timed[False][0], 3),
-         "lean_draws_the_same_tokens": ids == timed[False][1]}
+         "lean_over_transformers_seconds": round(secs / sum(timed[False, name][0] for name in draws), 3),
+         "lean_draws_the_same_tokens": ids == [timed[False, name][1] for name in draws],
+         "lean": engine.lean, "lean_checked": engine.lean_checked,
+         "lean_paths_checked": sorted({c["path"] for c in engine.lean_checks}),
+         "lean_checks": engine.lean_checks}
     print(json.dumps(r))
     return r
 
@@ -290,6 +334,93 @@ def vllm_section(folder: Path, g: dict) -> dict:
     return r
 
 
+# (d): the SDPA choices timed; None: the project's own (runtime.SDPA_BACKENDS), (): torch's own
+KERNEL_CHOICES: dict[str, tuple[str, ...] | None] = {
+    "project": None, "flash": ("FLASH_ATTENTION",), "efficient": ("EFFICIENT_ATTENTION",), "math": ("MATH",),
+    "cudnn": ("CUDNN_ATTENTION",), "torch default": ()}
+# an SDPA aten op's name -> the backend it is (CPU's flash op is _scaled_dot_product_flash_attention_for_cpu)
+KERNEL_TAGS = (("cudnn", "cudnn"), ("flash", "flash"), ("efficient", "efficient"), ("math", "_math"))
+
+
+@contextlib.contextmanager
+def sdpa_choice(backends: tuple[str, ...] | None, device: torch.device):
+    """Every forward of the project on `device` under `backends` (None: the project's choice;
+    (): none, torch decides), through runtime.attention_backends' two settings."""
+    from pipeline.models import runtime
+    saved = runtime.SDPA_BACKENDS, runtime.ATTENTION_DEVICES
+    runtime.ATTENTION_DEVICES = () if backends == () else (device.type,)
+    runtime.SDPA_BACKENDS = backends or runtime.SDPA_BACKENDS
+    try:
+        yield
+    finally:
+        runtime.SDPA_BACKENDS, runtime.ATTENTION_DEVICES = saved
+
+
+def kernels_ran(fn) -> list[str]:
+    """The SDPA backends whose aten ops `fn()` called (a CPU-side profile: the ops, not their time)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.key for e in prof.key_averages() if "dot_product" in e.key or "attention_forward" in e.key]
+    return sorted({kind for name in names for kind, tag in KERNEL_TAGS if tag in name})
+
+
+def reference_forward(reference, batch, rt) -> None:
+    """One no-grad forward of the trainer's log-prob path (the kernels a padded update calls)."""
+    from pipeline.training.loop import policy_logprobs
+    with torch.no_grad():
+        policy_logprobs(reference, batch, rt, 1.0)
+
+
+def kernels_section(model, folder: Path, g: dict, device: torch.device, args, out: dict) -> dict:
+    """(d): under each SDPA choice, one generation and one padded update (after an untimed
+    one at the same shapes), and the SDPA kernels each ran (module docstring)."""
+    import copy
+
+    from pipeline.core.config import load_config
+    from pipeline.models.engines import SamplingParams
+    from pipeline.models.engines.hf import TransformersEngine
+    from pipeline.models.runtime import make_runtime
+    from pipeline.training.policy import make_batch
+    cfg = load_config("tiny", {
+        "train.method": "ggpo", "train.groups_per_update": g["kernel_groups"], "rollout.group_size": g["group_size"],
+        "rollout.temperature": 1.0, "train.micro_batch_tokens": args.micro_batch_tokens,
+        "train.gradient_checkpointing": True, "train.device": "auto", "train.dtype": "auto", "train.packing": "off"})
+    rt = make_runtime(cfg.train)
+    reference, policy = rt.prepare_reference(copy.deepcopy(model)), rt.prepare(copy.deepcopy(model))
+    policy.train()
+    n_params = sum(p.numel() for p in policy.parameters())
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, betas=cfg.train.adam_betas)
+    engine = TransformersEngine(str(folder), batch_prompts=g["kernel_prompts"], threads=args.threads, device=str(device))
+    prompts = corpus(g["kernel_prompts"], seed=11)
+    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=g["kernel_tokens"], seed=0)
+    pool = make_pool(g | {"groups": g["kernel_groups"]}, g["kernel_length"], seed=5, ragged=True)
+    probe = make_batch(pool.prompt_ids[:1] * 2, pool.responses[0][:2], 0)     # two rows, padded
+    out |= {"updates_response_tokens": sum(len(r) for grp in pool.responses for r in grp), "choices": []}
+    for name, backends in KERNEL_CHOICES.items():
+        row: dict = {"choice": name, "backends": list(backends) if backends is not None else "project"}
+        engine.lean_checked, engine.lean_layouts, engine.lean = False, set(), True     # the lean step checks itself anew
+        with sdpa_choice(backends, device):
+            try:
+                row["generation_kernels"] = kernels_ran(lambda: engine.generate(prompts[:2], params))
+                row["update_kernels"] = kernels_ran(lambda: reference_forward(reference, probe, rt))
+                sync(device)
+                t0 = time.perf_counter()
+                outs = engine.generate(prompts, params)
+                sync(device)
+                gen_s, tokens = time.perf_counter() - t0, sum(len(c.token_ids) for grp in outs for c in grp)
+                row |= {"generation_seconds": round(gen_s, 3), "generation_tokens_per_s": round(tokens / gen_s, 1),
+                        "lean": engine.lean}
+                one_update(policy, reference, opt, pool, cfg, rt, n_params, g)        # untimed, same shapes
+                row["update"] = one_update(policy, reference, opt, pool, cfg, rt, n_params, g)
+            except Exception as exc:     # a backend that cannot run these shapes: said, the others still run
+                row["error"] = f"{type(exc).__name__}: {exc}"[:400]
+                opt.zero_grad(set_to_none=True)
+        print(json.dumps(row))
+        out["choices"].append(row)
+    return out
+
+
 def model_section(g: dict, device: torch.device, folder: Path, built: dict) -> dict:
     """The model and tokenizer, saved as an HF folder (the generation sections load it)."""
     from pipeline.models.tiny_model import save
@@ -319,14 +450,68 @@ def guarded(name: str, results: dict, fn, *a, **kw) -> None:
         torch.cuda.empty_cache()
 
 
+def driver_version() -> str | None:
+    """The NVIDIA driver's version ("580.65.06"): nvidia-smi's, else the kernel module's
+    (/proc/driver/nvidia/version); None where there is no driver."""
+    import shutil
+    import subprocess
+    if shutil.which("nvidia-smi"):
+        try:
+            res = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=60)
+            if res.returncode == 0 and res.stdout.strip():
+                return res.stdout.split()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass        # the kernel module's file below says it too
+    try:
+        found = re.search(r"\b(\d{3,}\.\d+(?:\.\d+)?)\b", Path("/proc/driver/nvidia/version").read_text())
+    except OSError:
+        return None
+    return found.group(1) if found else None
+
+
+def driver_problem(cuda: str | None, driver: str | None) -> str | None:
+    """Why a torch built for CUDA `cuda` ("13.0") cannot run on NVIDIA driver `driver`
+    ("575.57.08"); None when it can, or when either is unknown."""
+    if not cuda or not driver:
+        return None
+    need = DRIVER_FOR_CUDA.get(int(cuda.split(".")[0]))
+    have = tuple(int(x) for x in re.findall(r"\d+", driver))
+    if need is None or have >= need:
+        return None
+    return f"NVIDIA driver {driver} is older than this torch's CUDA {cuda} needs (>= {'.'.join(map(str, need))})"
+
+
+def refusal(quick: bool) -> str | None:
+    """The one line saying why this box cannot run the full-size check (None: it can). The
+    full geometry never runs on a CPU (it would build and train a 1.7B model there)."""
+    if quick:
+        return None
+    driver = driver_version()
+    old = driver_problem(torch.version.cuda, driver)
+    if old:
+        return f"gpu_check: {old}: update the NVIDIA driver, or {INSTALL}"
+    if not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            why = f"this torch {torch.__version__} is a CPU build"
+        else:
+            why = f"torch {torch.__version__} sees no GPU (NVIDIA driver: {driver or 'none found'})"
+        return f"gpu_check: no CUDA device ({why}); the full-size check needs one: {INSTALL}"
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="miniature model, CPU-sized (smoke run)")
     ap.add_argument("--out", help="also write the figures as JSON here")
     ap.add_argument("--micro-batch-tokens", type=int, default=32768, help="train.micro_batch_tokens (preset: 32768)")
     ap.add_argument("--threads", type=int, default=4, help="torch threads for CPU work")
-    ap.add_argument("--skip", action="append", default=[], choices=["train", "transformers", "vllm"])
+    ap.add_argument("--skip", action="append", default=[], choices=["train", "transformers", "vllm", "kernels"])
     args = ap.parse_args()
+    problem = refusal(args.quick)
+    if problem:
+        print(problem, file=sys.stderr)
+        sys.exit(2)
     g = QUICK if args.quick else FULL
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -339,9 +524,13 @@ def main() -> None:
         guarded("model", results, model_section, g, device, folder, built)
         model = built.pop("model", None)
         missing = {"error": "skipped: no model (see the section model)"}
-        if "train" not in args.skip:
-            guarded("train", results, train_section, model, g, args, out={}) if model is not None \
-                else results.update(train=missing)
+        for part, part_fn, part_args in (("train", train_section, (model, g, args)),
+                                         ("kernels", kernels_section, (model, folder, g, device, args))):
+            if part not in args.skip:
+                if model is None:
+                    results[part] = missing
+                else:
+                    guarded(part, results, part_fn, *part_args, out={})
         del model
         for name, fn, extra in (("transformers", transformers_section, (device, args.threads)), ("vllm", vllm_section, ())):
             if name not in args.skip:

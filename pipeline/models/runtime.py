@@ -74,10 +74,10 @@ def autocast_parameters(model) -> list[torch.nn.Parameter]:
 # The SDPA kernels a CUDA forward may use, in priority order (torch.nn.attention.sdpa_kernel's
 # set_priority: the listed order first; cuDNN, not listed, is disabled). Flash needs no mask;
 # memory-efficient takes the padded batches' boolean masks; math runs anything.
-SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+SDPA_BACKENDS: tuple[str, ...] = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 # the device types whose forwards run under that choice (a test adds "cpu" to put the CPU
 # forwards through the same context and record it)
-ATTENTION_DEVICES = ("cuda",)
+ATTENTION_DEVICES: tuple[str, ...] = ("cuda",)
 
 
 def attention_backends(device: torch.device | str):
