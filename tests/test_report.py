@@ -177,10 +177,12 @@ def test_online_report_prints_paired_intervals_n_and_stalls(tmp_path):
 
 
 def test_one_seed_report_says_no_interval(tmp_path):
-    """One seed: the paired tables print n=1 and no interval, no p."""
+    """One seed: the paired tables print n=1 and no interval, no p (the tables alone,
+    without write's figures)."""
     from pipeline.reports import online
-    evals, curves = online_cache(tmp_path, [42])
-    table, _ = online.write(evals, curves, tmp_path, "mean@8")
+    evals, _ = online_cache(tmp_path, [42])
+    evals = online.in_cell_order(evals)
+    table = online.markdown_final(evals, "mean@8") + online.paired_tables(evals, "mean@8")[0]
     assert "| ggpo | updates_per_step=1 | +2.00 (n=1, no interval) | 1 | - | 42 | 0/1 | 0/1 |" in table
     assert "| grpo_tis updates_per_step=4 | 4 | 10 | 1 | 8 | 15.00 | 0/1 |" in table
 
