@@ -1,4 +1,6 @@
 """Losses and diagnostics against docs/math.md section 12: its golden values (float64)."""
+import math
+
 import pytest
 import torch
 
@@ -143,6 +145,20 @@ def test_diagnostics_golden():
     assert normalized_ess(stats["seq_log_ratio"]) == pytest.approx(0.951367, abs=1e-5)
     assert stats["ell_sum"] / 4 == pytest.approx(0.05, abs=1e-5)
     assert stats["success_ess_sum"] / stats["success_ess_count"] == pytest.approx(0.997510, abs=1e-5)
+
+
+def test_chi_square_mismatch_golden():
+    """chi2_token = sum mask (rho - 1)^2 / T_tot and chi2_seq = sum_i (exp(s_i) - 1)^2 / n_seq,
+    against a plain float64 loop over the golden minibatch (and s_i's hand values above)."""
+    inp = golden_inputs()
+    stats = micro_batch_stats(inp, 0.01)
+    lp, beh, mask = (x.double().flatten(0, 1).tolist() for x in (inp.lp, inp.lp_beh, inp.mask))
+    token = sum(mk * (math.exp(a - b) - 1.0) ** 2 for ra, rb, rm in zip(lp, beh, mask) for a, b, mk in zip(ra, rb, rm))
+    seq = [sum(mk * (a - b) for a, b, mk in zip(ra, rb, rm)) for ra, rb, rm in zip(lp, beh, mask)]
+    assert float(stats["chi2_token"]) == pytest.approx(token / inp.t_tot, rel=1e-12)
+    assert float(stats["chi2_seq"]) == pytest.approx(sum((math.exp(s) - 1.0) ** 2 for s in seq) / inp.n_seq_tot, rel=1e-12)
+    by_hand = sum((math.exp(s) - 1.0) ** 2 for s in (-0.05, 0.47, 0.17, -0.05)) / 4
+    assert float(stats["chi2_seq"]) == pytest.approx(by_hand, abs=1e-5)
 
 
 def test_entropy_golden():

@@ -179,7 +179,7 @@ def test_report_tables_against_n_and_t_ref(tmp_path):
     staleness = pl.read_csv(tmp_path / "staleness.csv")
     grpo4 = staleness.filter((pl.col("method") == "grpo") & (pl.col("N") == 4)).row(0, named=True)
     assert grpo4["mean"] == pytest.approx(0.47) and grpo4["std"] == pytest.approx(0.02 / 2 ** 0.5) and grpo4["seeds"] == 2
-    assert "| grpo | fixed | 50.00 ± 1.41 | 47.00 ± 1.41 |" in table
+    assert "| grpo | fixed | 50.00 ± 1.41; stalls 0/2 | 47.00 ± 1.41; stalls 0/2 |" in table
     assert not (tmp_path / "refresh.csv").exists()      # t_ref differs only between methods: nothing to compare
     diag = pl.read_csv(tmp_path / "diagnostics.csv")
     assert diag.filter((pl.col("method") == "ggpo") & (pl.col("N") == 4))["k3_mismatch"][0] == pytest.approx(4e-4)
@@ -215,10 +215,10 @@ def test_report_marks_a_cell_that_stopped_early(tmp_path):
                "k3_mismatch": 0.0, "ess": 1.0, "entropy": 0.1, "response_length": 9.0, "mean_ell": 0.5,
                "success_ess": 0.9, "responses_generated": 64 * u} for n in (1, 16) for u in range(1, 17)]
     table, _ = online.write(pl.DataFrame(evals), pl.DataFrame(curves), tmp_path, "mean@8")
-    assert "| ggpo updates_per_step=16 | 16 | 20 | 2 | 16 | 15.50 ± 20.51 |" in table
+    assert "| ggpo updates_per_step=16 | 16 | 20 | 2 | 16 | 7: 30.00, 42: 1.00 (stopped at 16) | 1/2 |" in table
     assert "| ggpo updates_per_step=1 | 1 | 20 | 2 | 64 | 30.00 ± 0.00 |" in table
     assert "A cell whose update is below 64 stopped there" in table
-    assert "| ggpo | 20 | 30.00 ± 0.00 | 15.50 ± 20.51 (stopped at update 16) |" in table
+    assert "| ggpo | 20 | 30.00 ± 0.00; stalls 0/2 | 7: 30.00, 42: 1.00 (stopped at 16); stalls 1/2 |" in table
 
 
 

@@ -56,6 +56,12 @@ TRAIN_METRICS = pa.schema([
     ("trunc_frac", pa.float64()), ("k3_mismatch", pa.float64()), ("abs_log_ratio", pa.float64()),
     ("mean_ell", pa.float64()), ("ggpo_raw_loss", pa.float64()), ("success_ess", pa.float64()),
     ("ess", pa.float64()), ("ref_refreshed", pa.bool_()),
+    # the mismatch every method sees, whatever its loss (chi-square of learner vs behavior, per
+    # token and per response), and the share each correction's rule masked, truncated or
+    # clipped (null for a method without that rule; docs/math.md section 14)
+    ("chi2_token", pa.float64()), ("chi2_seq", pa.float64()),
+    ("mask_frac", pa.float64()), ("seq_mask_frac", pa.float64()), ("seq_trunc_frac", pa.float64()),
+    ("seq_clip_frac", pa.float64()), ("m2_mask_frac", pa.float64()),
 ])
 
 # the online loop's rows (stage online_train): the offline columns, the largest |log rho|

@@ -4,6 +4,8 @@ Per micro-batch we return sums (already divided by the update's T_tot where toke
 so an update's value is the sum over its micro-batches:
 - K3 behavior-learner mismatch: sum mask (rho - 1 - log rho) / T_tot, rho = exp(lp - lp_beh)
 - mean |lp - lp_beh| over tokens, and its max (the online loop's "ratios are 1 at a step start")
+- chi-square of learner vs behavior: sum mask (rho - 1)^2 / T_tot per token, and
+  sum_i (exp(s_i) - 1)^2 / n_seq per response (s_i below)
 - mean learner-reference sequence log ratio ell (returned as a sum over responses)
 - within-success ESS of GGPO weights (groups with >= 2 successes; a sum and a count)
 Sequence log ratios s_i = sum_t mask (lp - lp_beh) are returned per response: the
@@ -58,12 +60,19 @@ def micro_batch_stats(inp: LossInputs, beta: float) -> dict[str, torch.Tensor]:
     ell, rt = kl_adjusted_rewards(detached, beta)
     zero = torch.zeros((), dtype=torch.float64, device=lp.device)
     ess_sum, ess_count = within_success_ess(rt, inp.rewards, beta) if beta > 0 else (zero, zero)
+    # chi-square divergence of the learner from the behavior policy, estimated on the behavior's
+    # samples: E_beh[(rho - 1)^2] per token and E_beh[(w - 1)^2] per response, w = exp(s_i)
+    # (verl's rollout_corr/chi2_token and chi2_seq). In float64 (w - 1)^2 overflows only past
+    # s_i = 354 nats; an inf there is the honest size of such a sequence weight's second moment
+    seq_log_ratio = (log_rho * mask).sum(-1).flatten()
     return {
+        "chi2_token": ((torch.exp(log_rho) - 1.0) ** 2 * mask).sum() / inp.t_tot,
+        "chi2_seq": ((torch.exp(seq_log_ratio) - 1.0) ** 2).sum() / inp.n_seq_tot,
         "k3_mismatch": (k3 * mask).sum() / inp.t_tot,
         "abs_log_ratio": (log_rho.abs() * mask).sum() / inp.t_tot,
         "max_abs_log_ratio": (log_rho.abs() * mask).max() if mask.numel() else zero,
         "ell_sum": ell.sum(),
         "ggpo_raw_sum": ggpo_group_loss(rt, beta).sum() if beta > 0 else zero + float("nan"),
         "success_ess_sum": ess_sum, "success_ess_count": ess_count.double(),
-        "seq_log_ratio": (log_rho * mask).sum(-1).flatten(),
+        "seq_log_ratio": seq_log_ratio,
     }

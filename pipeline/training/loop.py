@@ -45,7 +45,7 @@ from pipeline.training.reference import ReferenceCache
 
 log = logging.getLogger("ggpo")
 # the metrics that compare the learner with the behavior log-probs (ess too, per block)
-BEHAVIOR_DIAGNOSTICS = ("k3_mismatch", "abs_log_ratio", "max_abs_log_ratio")
+BEHAVIOR_DIAGNOSTICS = ("k3_mismatch", "abs_log_ratio", "max_abs_log_ratio", "chi2_token", "chi2_seq")
 
 
 def policy_logprobs(model, batch: Batch | Buckets, rt: Runtime, temperature: float, with_entropy: bool = False,
