@@ -246,3 +246,40 @@ def test_bounded_grader_runs_in_the_calling_thread_in_order():
     assert grading.pool_info() == {}
     mixed = grading.grade_many(["\\boxed{2}", "\\boxed{7+5*3}", "\\boxed{3}"], [("2",), ref, ("2",)], 5.0, workers=1)
     assert [g.reward for g in mixed] == [1.0, 1.0, 0.0]
+
+
+def test_killed_worker_during_the_retry_is_replaced_and_its_responses_regraded():
+    """A grading worker SIGKILLed while the timeout-retry pass grades (the retry's own pool):
+    it is replaced like one of the first pass and the response regraded with the retry's
+    limit, to the verdict a limit far above its cost gives. Before, the retry's response was
+    lost with its worker and waited out the safety net (minutes), then ended `timeout`."""
+    import logging
+    responses, answers, _ = _batch(6)
+    responses[3], answers[3] = integral(6), ("1",)     # over the first limit, far under the retry's
+    reference = [grade(r, a, 600.0)[:2] for r, a in zip(responses, answers)]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append                       # type: ignore[method-assign]
+    logging.getLogger("ggpo").addHandler(handler)
+    out = []
+    thread = threading.Thread(target=lambda: out.append(
+        grade_many(responses, answers, 0.05, workers=2, retry_timeout_s=60.0)))
+    thread.start()
+    killed, deadline = None, time.monotonic() + 120
+    try:
+        while killed is None and time.monotonic() < deadline and thread.is_alive():
+            retry = pool_info().get("retry", [])
+            killed = next((pid for view in retry for pid in view["inflight"]), None)
+            time.sleep(0.005)
+        assert killed is not None, "no response was seen in flight in the retry pass"
+        os.kill(killed, signal.SIGKILL)
+        thread.join(timeout=120)
+    finally:
+        logging.getLogger("ggpo").removeHandler(handler)
+    assert out, "the retry pass did not finish after its worker was killed"
+    assert [g[:2] for g in out[0]] == reference
+    assert out[0][3].retried and out[0][3].status == "ok"
+    assert any("replacing the 1-worker retry pool" in r.getMessage() for r in records), \
+        [r.getMessage() for r in records]
+    assert pool_info().get("retry") is None                           # the retry's pool is closed
+    assert killed not in _children()                                  # and reaped

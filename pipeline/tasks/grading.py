@@ -22,9 +22,10 @@ CPU time (ITIMER_PROF; a grading worker is single-threaded) and `seconds` is CPU
 Wall time stays only as a safety net against a worker that stops progressing (STUCK_WALL).
 Each grade starts from an empty sympy cache, so its cost does not depend on what the
 worker graded before either. A response that times out is graded once more, in fresh
-worker processes, with the longer
-limit `retry_timeout_s` (default RETRY_FACTOR x timeout_s), before `timeout` is final;
-`summary(results)` counts the retries and the final timeouts.
+worker processes (a pool of the retry's own, with the same health checks as the
+shared pool's: a worker killed or stuck during the retry is replaced and its responses
+graded again), with the longer limit `retry_timeout_s` (default RETRY_FACTOR x timeout_s),
+before `timeout` is final; `summary(results)` counts the retries and the final timeouts.
 
 `grade_many(responses, answers, timeout_s, workers=0, chunk=None, progress=None,
 retry_timeout_s=None)` grades a batch and returns Graded(reward, status, seconds, retried)
@@ -262,10 +263,13 @@ _ATEXIT = False
 
 
 class _Call:
-    """One grade_many call waiting on the pool."""
+    """One grade_many call (or its retry pass) waiting on `pool`: the shared pool, or a
+    retry's own; a restart moves the call to the pool that replaces it."""
 
-    def __init__(self, items: list, timeout_s: float, chunk: int):
+    def __init__(self, items: list, timeout_s: float, chunk: int, pool: _Pool, stuck_s: float | None = None):
         self.id, self.items, self.timeout_s, self.chunk = next(_IDS), items, timeout_s, chunk
+        self.pool = pool
+        self.stuck_s = stuck_s or stuck_wall(timeout_s)   # wall seconds on one response: stuck
         self.results: list[Graded | None] = [None] * len(items)
         self.remaining = len(items)
         self.crashes: Counter = Counter()    # idx -> times its worker died under it
@@ -285,11 +289,12 @@ class _Call:
 
 
 class _Pool:
-    """`size` spawned workers sharing one task queue and one result queue."""
+    """`size` spawned workers sharing one task queue and one result queue. `role` names it
+    in log lines: "" for the shared pool, "retry " for a retry pass's own."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, role: str = ""):
         ctx = mp.get_context("spawn")
-        self.size = size
+        self.size, self.role = size, role
         self.tasks = ctx.Queue()
         self.tasks.cancel_join_thread()      # abandoned when torn down: never block exit
         self.results, writer = ctx.Pipe(duplex=False)
@@ -303,6 +308,7 @@ class _Pool:
         self.graded: Counter = Counter()     # pid -> responses graded
         self.inflight: dict[int, tuple[int, int, float, float]] = {}  # pid -> (call, idx, since, limit)
         self.closed = False
+        self.last_watch = 0.0                # when _watch last looked (it runs every _TICK_S)
         threading.Thread(target=self._collect, daemon=True, name="ggpo-grading-collector").start()
 
     def _collect(self) -> None:
@@ -327,7 +333,7 @@ class _Pool:
             self.ready.add(pid)
             return
         call = _CALLS.get(msg[2])
-        limit = stuck_wall(call.timeout_s if call else 60.0)
+        limit = call.stuck_s if call else stuck_wall(60.0)
         if kind == "start":
             self.inflight[pid] = (msg[2], msg[3], now, limit)
             return
@@ -360,7 +366,7 @@ def _ensure_pool(size: int) -> _Pool:
     global _POOL, _ATEXIT
     if _POOL is not None and size == 1:
         return _POOL                         # one worker is asked for the timer, not for speed
-    if _POOL is not None and _POOL.size != size and not _CALLS:
+    if _POOL is not None and _POOL.size != size and not _calls_on(_POOL):
         _POOL.close()
         _POOL = None
     if _POOL is None:
@@ -372,9 +378,11 @@ def _ensure_pool(size: int) -> _Pool:
 
 
 def close_pool() -> None:
-    """Kill the worker pool (at exit; or to start over). The next pooled call starts one."""
+    """Kill the shared worker pool (at exit; or to start over). The next pooled call starts
+    one. A retry pass's own pool is its caller's to close."""
     with _LOCK:
-        _fail_all("the grading pool was closed while this call waited")   # calls waiting: none, usually
+        if _POOL is not None:    # calls waiting on it: none, usually
+            _fail_pool(_POOL, "the grading pool was closed while this call waited")
 
 
 def _forget_after_fork() -> None:
@@ -393,46 +401,52 @@ def start_pool(workers: int = 0) -> None:
         _ensure_pool(workers or default_workers())
 
 
+def _view(pool: _Pool, now: float) -> dict:
+    return {"pids": [p.pid for p in pool.procs], "graded": dict(pool.graded), "ready": len(pool.ready),
+            "inflight": {pid: (rec[1], now - rec[2]) for pid, rec in pool.inflight.items()}}
+
+
 def pool_info() -> dict:
-    """The current pool: worker pids, responses graded per pid, responses in flight
-    ({pid: (index, seconds so far)}), workers ready. Empty when none is running."""
+    """The shared pool: worker pids, responses graded per pid, responses in flight
+    ({pid: (index, seconds so far)}), workers ready; and under "retry" the same for each
+    retry pass's pool running now. Empty when no pool is running."""
     with _LOCK:
-        if _POOL is None:
-            return {}
         now = time.monotonic()
-        return {"pids": [p.pid for p in _POOL.procs], "graded": dict(_POOL.graded),
-                "ready": len(_POOL.ready),
-                "inflight": {pid: (rec[1], now - rec[2]) for pid, rec in _POOL.inflight.items()}}
+        retry = {id(c.pool): c.pool for c in _CALLS.values() if c.pool is not _POOL and not c.pool.closed}
+        info = _view(_POOL, now) if _POOL is not None else {}
+        if retry:
+            info["retry"] = [_view(pool, now) for pool in retry.values()]
+        return info
 
 
 # ---------------------------------------------------------------- health checks
 
-_LAST_WATCH = 0.0
+def _calls_on(pool: _Pool) -> list[_Call]:
+    return [c for c in _CALLS.values() if c.pool is pool]
 
 
-def _watch() -> None:
-    """Replace a stuck, crashed or silent pool; fail the calls if it cannot start. Under _LOCK."""
-    global _LAST_WATCH
-    pool, now = _POOL, time.monotonic()
-    if pool is None or pool.closed or not _CALLS or now - _LAST_WATCH < _TICK_S:
+def _watch(pool: _Pool) -> None:
+    """Replace a stuck, crashed or silent pool; fail its calls if it cannot start. Under _LOCK."""
+    now, calls = time.monotonic(), _calls_on(pool)
+    if pool.closed or not calls or now - pool.last_watch < _TICK_S:
         return
-    _LAST_WATCH = now
+    pool.last_watch = now
     dead = [p for p in pool.procs if not p.is_alive()]
     for p in dead:
         # a worker that failed to start (its own error: exit code > 0) will fail again; one
         # killed by a signal before it was ready (the OOM killer while math-verify imports)
         # is replaced like any dead worker, within fruitless_restarts
         if p.pid not in pool.ready and (p.exitcode or 0) > 0:
-            return _fail_all(f"a grading worker exited with code {p.exitcode} before it was ready (its "
+            return _fail_pool(pool, f"a grading worker exited with code {p.exitcode} before it was ready (its "
                              "traceback is above: a worker imports math-verify and the main script, "
                              "which must be a file that runs only under `if __name__ == '__main__'`)")
     if not pool.ready and not dead:
         if now - pool.started > STARTUP_S:
-            _fail_all(f"no grading worker was ready after {STARTUP_S:.0f} s; is the machine overloaded?")
+            _fail_pool(pool, f"no grading worker was ready after {STARTUP_S:.0f} s; is the machine overloaded?")
         return
     stuck = {pid for pid, (_, _, since, limit) in pool.inflight.items() if now - since > limit}
     silent_for = now - pool.last_message
-    stalled = silent_for > stuck_wall(max(c.timeout_s for c in _CALLS.values()))
+    stalled = silent_for > max(c.stuck_s for c in calls)
     if not (dead or stuck or stalled):
         return
     reason = (f"{len(stuck)} worker(s) stuck past the time limit" if stuck else
@@ -441,43 +455,52 @@ def _watch() -> None:
 
 
 def _restart(pool: _Pool, stuck: set[int], dead: set[int], now: float, reason: str) -> None:
-    """Kill `pool`, mark the responses it was stuck on `timeout`, regrade the rest anew."""
+    """Kill `pool`, mark the responses it was stuck on `timeout`, regrade the rest anew in a
+    pool of the same size and role that replaces it (for its calls, and as the shared pool
+    where it was that)."""
     global _POOL
-    blamed = 0
+    blamed, calls = 0, _calls_on(pool)
     for pid, (call_id, idx, since, _) in pool.inflight.items():
         call = _CALLS.get(call_id)
-        if call is None:
+        if call is None or call.pool is not pool:
             continue
         if pid in dead:
             call.crashes[idx] += 1           # a second death under the same response convicts it
         if pid in stuck or call.crashes[idx] >= 2:
             call.deliver(idx, Graded(0.0, "timeout", now - since))
             blamed += 1
-    left = sum(c.remaining for c in _CALLS.values())
-    log.warning("grading: %s; replacing the %d-worker pool (%d response(s) marked timeout, %d left to grade)",
-                reason, pool.size, blamed, left)
-    pool.close()
-    _POOL = None
+    left = sum(c.remaining for c in calls)
+    log.warning("grading: %s; replacing the %d-worker %spool (%d response(s) marked timeout, %d left to grade)",
+                reason, pool.size, pool.role, blamed, left)
+    shared = pool is _POOL
+    _fail_pool(pool, None)
     try:
-        _POOL = _Pool(pool.size)
+        new = _Pool(pool.size, pool.role)
     except Exception as e:   # e.g. out of processes: fail the waiting calls, never leave them hanging
-        return _fail_all(f"could not restart the grading workers: {e}")
-    for call in _CALLS.values():
+        for call in calls:
+            call.fail(f"could not restart the grading workers: {e}")
+        return
+    if shared:
+        _POOL = new
+    for call in calls:
+        call.pool = new
         call.fruitless_restarts = 0 if blamed else call.fruitless_restarts + 1
         if call.fruitless_restarts > 3:
             call.fail(f"the grading pool was replaced {call.fruitless_restarts} times without progress "
                       f"({reason}); rerun with verify.workers=1 on the main thread to see the failing response")
         elif call.remaining:
-            _POOL.submit(call)
+            new.submit(call)
 
 
-def _fail_all(message: str) -> None:
+def _fail_pool(pool: _Pool, message: str | None) -> None:
+    """Close `pool` (and forget it if it is the shared one); fail its calls with `message`."""
     global _POOL
-    for call in _CALLS.values():
-        call.fail(message)
-    if _POOL is not None:
-        _POOL.close()
-    _POOL = None
+    if message is not None:
+        for call in _calls_on(pool):
+            call.fail(message)
+    pool.close()
+    if pool is _POOL:
+        _POOL = None
 
 
 # ---------------------------------------------------------------- the entry point
@@ -522,23 +545,30 @@ def _grade_timed(items: list, timeout_s: float, workers: int, chunk: int | None,
 
 def _retry_timeouts(items: list, results: list, retry_timeout_s: float, workers: int) -> list[Graded]:
     """Grade every timed-out response once more, in fresh worker processes (a spawned pool
-    of its own, so a worn or replaced pool cannot decide it twice), with the longer limit."""
+    of its own, so a worn or replaced pool cannot decide it twice), with the longer limit.
+    The pool has the shared pool's health checks (_watch): a worker killed during the retry
+    is replaced and its responses graded again; one stuck past its wall-clock net is `timeout`."""
     todo = [i for i, r in enumerate(results) if r[1] == "timeout"]
     results = [Graded(*r) for r in results]
     if not todo:
         return results
     log.info("grading: %d response(s) timed out; grading them again with a %.1f s CPU limit",
              len(todo), retry_timeout_s)
-    size = min(workers, len(todo))
-    with mp.get_context("spawn").Pool(size, initializer=_worker_init) as pool:
-        pending = [pool.apply_async(grade, (*items[i], retry_timeout_s)) for i in todo]
-        deadline = time.monotonic() + STARTUP_S + stuck_wall(retry_timeout_s) * math.ceil(len(todo) / size)
-        for i, job in zip(todo, pending):
-            try:
-                results[i] = Graded(*job.get(timeout=max(0.0, deadline - time.monotonic()))[:3], retried=True)
-            except mp.TimeoutError:     # the safety net: stuck past every allowance
-                results[i] = Graded(0.0, "timeout", retry_timeout_s, retried=True)
-        pool.terminate()
+    with _LOCK:
+        pool = _Pool(min(workers, len(todo)), role="retry ")
+        # one response a task: a slow one holds up no other. The wall-clock net is wider
+        # than the first pass's (STARTUP_S more): the retry's verdict is final, and a loaded
+        # machine that slowed the first pass slows this one too; the CPU limit decides
+        call = _Call([items[i] for i in todo], retry_timeout_s, 1, pool, STARTUP_S + stuck_wall(retry_timeout_s))
+        _CALLS[call.id] = call
+        pool.submit(call)
+    try:
+        regraded = _wait(call, None)
+    finally:
+        with _LOCK:
+            _fail_pool(call.pool, None)      # the pool the call ended on (a restart replaces it)
+    for i, r in zip(todo, regraded):
+        results[i] = Graded(*r[:3], retried=True)
     return results
 
 
@@ -559,26 +589,32 @@ def _grade_pooled(items: list, timeout_s: float, workers: int, chunk: int | None
         pool = _ensure_pool(workers)
         # 4 tasks per worker of the pool that runs them: every worker gets some, and a
         # slow task cannot leave the others idle for long
-        call = _Call(items, timeout_s, chunk or min(256, max(1, math.ceil(len(items) / (4 * pool.size)))))
-        if not _CALLS:
+        call = _Call(items, timeout_s, chunk or min(256, max(1, math.ceil(len(items) / (4 * pool.size)))), pool)
+        if not _calls_on(pool):
             pool.last_message = time.monotonic()   # an idle pool's silence was no stall
         _CALLS[call.id] = call
         pool.submit(call)
-    reported = 0
+    return _wait(call, progress)
+
+
+def _wait(call: _Call, progress) -> list[Graded]:
+    """`call`'s results once all are delivered, watching its pool's health meanwhile;
+    `progress(k)` as they come. The call leaves the registry however this ends."""
+    reported, n = 0, len(call.items)
     try:
         while True:
             interrupt.check("grading")
             call.wake.wait(_TICK_S)
             call.wake.clear()
             with _LOCK:
-                _watch()
-                done, error = len(items) - call.remaining, call.error
+                _watch(call.pool)
+                done, error = n - call.remaining, call.error
             if progress and done > reported:
                 progress(done - reported)
                 reported = done
             if error:
-                raise RuntimeError(f"grading {len(items)} responses: {error}")
-            if done == len(items):
+                raise RuntimeError(f"grading {n} responses: {error}")
+            if done == n:
                 return cast(list[Graded], list(call.results))     # every item delivered: no None left
     finally:
         with _LOCK:
