@@ -29,7 +29,7 @@ PROMPTS = ["Q:123\nA:", "Q:98765\nA:", "Q:4\nA:", "Q:3141592\nA:"]
 # the state sdpa_kernel([FLASH, EFFICIENT, MATH], set_priority=True) leaves: cuDNN off, the
 # others on, and that priority order
 CHOSEN = {"cudnn": False, "flash": True, "efficient": True, "math": True,
-          "priority": tuple(int(b) for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+          "priority": tuple(b.value for b in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                              SDPBackend.MATH))}
 
 

@@ -7,7 +7,7 @@ from pipeline.models.engines.hf import TransformersEngine
 from pipeline.training.policy import make_batch, token_logprobs
 from stages.base_model import model_path
 
-from tolerance import assert_close
+from tolerance import assert_close, rounding_tol
 
 PROMPTS = ["Q:123\nA:", "Q:98765\nA:", "Q:4\nA:", "Q:3141592\nA:"]
 
@@ -133,7 +133,8 @@ def _step_side_by_side(model, prompts: list[str], tok, steps: int, shrink_at: in
             pos = pos[:, -1:] + 1
             if t == shrink_at:
                 keep = torch.arange(0, step_ids.shape[0], 2)
-                hf.select(keep), lean.select(keep)
+                hf.select(keep)
+                lean.select(keep)
                 attn, step_ids, pos = attn[keep], step_ids[keep], pos[keep]
     return steps
 
@@ -213,3 +214,221 @@ def test_a_lean_step_that_differs_is_dropped_and_the_draw_is_transformers(base_m
     b = plain.generate(PROMPTS, params)
     assert [x.token_ids for g in a for x in g] == [y.token_ids for g in b for y in g]
     assert [x.logprobs for g in a for x in g] == [y.logprobs for g in b for y in g]
+
+
+# --- padding, non-finite logits, the lean step's checks (#37) ---------------------------------
+
+def _side_by_side(model, ids: list[list[int]], pad_id: int, steps: int, shrinks: dict, room: int = 64,
+                  check: bool = False, verified: set | None = None):
+    """_step_side_by_side's loop over token ids: at step t in `shrinks` the batch keeps the rows
+    shrinks[t](attention mask) gives; returns the lean forward (its checks, its state)."""
+    from pipeline.models.engines.decode import HFForward, LeanQwen3
+    from pipeline.models.engines.hf import left_padded
+    step_ids, attn, pos = left_padded(ids, pad_id, steps)
+    width = step_ids.shape[1]
+    hf, lean = HFForward(model), LeanQwen3(model, width + steps, room, check=check, verified=verified)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for t in range(steps):
+            a, b = hf(step_ids, attn[:, :width + t], pos), lean(step_ids, attn[:, :width + t], pos)
+            assert torch.equal(a, b), f"step {t}: max |diff| {(a - b).abs().max()}"
+            step_ids = torch.multinomial(a.float().softmax(-1), 1, generator=gen)
+            pos = pos[:, -1:] + 1
+            if t in shrinks:
+                keep = shrinks[t](attn)
+                hf.select(keep)
+                lean.select(keep)
+                attn, step_ids, pos = attn[keep], step_ids[keep], pos[keep]
+    return lean
+
+
+def _ids(tok, prompts: list[str]) -> list[list[int]]:
+    return [tok(p)["input_ids"] for p in prompts]
+
+
+def _unpadded_rows(attn: torch.Tensor) -> torch.Tensor:
+    return attn[:, 0].nonzero().squeeze(1)      # the rows of the longest prompt: no left padding
+
+
+def _every_other(attn: torch.Tensor) -> torch.Tensor:
+    return torch.arange(0, attn.shape[0], 2)
+
+
+def test_lean_checks_cover_both_paths_shrinks_and_growths(base_manifest):
+    """The lean step checks every attention layout it meets (masked and unmasked path, before and
+    after a shrink, before and after its buffers grow) against contiguous copies, as transformers
+    passes them, plus its first step against transformers' whole forward; here all agree, and its
+    logits are transformers' to the bit at every step. A second draw skips what the first proved.
+    Cost: two 12-step draws of 16 rows on the tiny model, ~1 s."""
+    engine = TransformersEngine(model_path(base_manifest))
+    tok = engine.tokenizer
+    ids = _ids(tok, PROMPTS * 4)
+    assert len(set(map(len, ids))) > 1                              # padded: the masked path first
+    verified: set = set()
+    lean = _side_by_side(engine.model, ids, tok.pad_token_id, 12, {3: _unpadded_rows, 6: _every_other}, room=2,
+                         check=True, verified=verified)
+    checks = lean.checks
+    assert all(c["equal"] for c in checks) and lean.equal and not lean.contiguous
+    assert [c["check"] for c in checks].count("forward") == 1
+    attention = [c for c in checks if c["check"] == "attention"]
+    assert {c["path"] for c in attention} == {"masked", "unmasked"}
+    assert len({c["rows"] for c in attention}) >= 3                 # before and after each shrink
+    width = max(map(len, ids))
+    assert {c["columns"] for c in attention} == {width + 2, width + 12}     # before and after the buffers grew
+    assert verified == {(c["path"], c["rows"], c["columns"]) for c in attention}
+    again = _side_by_side(engine.model, ids, tok.pad_token_id, 12, {3: _unpadded_rows, 6: _every_other}, room=2,
+                          verified=verified)
+    assert again.checks == []                                       # every layout was proven already
+
+
+def test_a_layout_whose_strided_views_differ_gets_contiguous_copies(base_manifest, monkeypatch):
+    """Where the attention kernel gives other bits on the lean cache's strided views than on
+    contiguous tensors (as a GPU kernel might; here one ulp at one entry), the check sees it,
+    that step and every later one pass contiguous copies as transformers does, and the logits
+    stay transformers' bit for bit. Cost: one 10-step draw, ~1 s."""
+    from pipeline.models.engines import decode
+    engine = TransformersEngine(model_path(base_manifest))
+    tok = engine.tokenizer
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def strided_differs(module, q, k, v, mask, **kw):
+        out, w = sdpa_attention_forward(module, q, k, v, mask, **kw)
+        if not k.is_contiguous():
+            out = out.clone()
+            out.view(-1)[0] = torch.nextafter(out.view(-1)[0], torch.tensor(float("inf"), dtype=out.dtype))
+        return out, w
+    real_init = decode.LeanQwen3.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        self.attention = strided_differs
+    monkeypatch.setattr(decode.LeanQwen3, "__init__", init)
+    lean = _side_by_side(engine.model, _ids(tok, PROMPTS * 2), tok.pad_token_id, 10, {4: _every_other})
+    assert lean.contiguous and lean.checks[0]["equal"] is False
+    assert len(lean.checks) == 1            # once the copies are passed, nothing is left to check
+
+
+def test_a_lean_step_that_falls_back_frees_its_buffers(base_manifest, monkeypatch):
+    """After the first-step check finds a difference, the lean cache is dropped at once (not kept
+    and copied at every shrink beside transformers' cache): no reference to its tensors is left,
+    and the draw goes on with transformers' forward. Cost: a 6-step draw, < 1 s."""
+    import gc
+    import weakref
+
+    from pipeline.models.engines import decode
+    engine = TransformersEngine(model_path(base_manifest))
+    tok = engine.tokenizer
+    step = decode.LeanQwen3._step
+
+    def off_by_one_ulp(self, *args):
+        logits = step(self, *args)
+        logits[0, 0] = torch.nextafter(logits[0, 0], torch.tensor(float("inf"), dtype=logits.dtype))
+        return logits
+    monkeypatch.setattr(decode.LeanQwen3, "_step", off_by_one_ulp)
+    from pipeline.models.engines.hf import left_padded
+    ids, attn, pos = left_padded(_ids(tok, PROMPTS * 2), tok.pad_token_id, 6)
+    width = ids.shape[1]
+    hf, lean = decode.HFForward(engine.model), decode.LeanQwen3(engine.model, width + 6, check=True)
+    with torch.inference_mode():
+        lean(ids, attn[:, :width], pos)
+        buffers = [weakref.ref(t) for t in lean.keys + lean.values]
+        assert buffers
+        hf(ids, attn[:, :width], pos)
+        step_ids, pos = torch.full((ids.shape[0], 1), 7), pos[:, -1:] + 1
+        for t in range(1, 6):
+            assert torch.equal(lean(step_ids, attn[:, :width + t], pos), hf(step_ids, attn[:, :width + t], pos))
+            if t == 2:
+                keep = _every_other(attn)
+                lean.select(keep)
+                hf.select(keep)
+                attn, step_ids, pos = attn[keep], step_ids[keep], pos[keep]
+            pos = pos + 1
+    gc.collect()
+    assert lean.equal is False and lean.keys == [] and lean.values == []
+    assert all(ref() is None for ref in buffers), "the lean key/value buffers are still referenced"
+    assert [c["check"] for c in lean.checks] == ["attention", "forward"]      # the first step's two checks
+    assert lean.checks[-1] == {"check": "forward", "step": 1, "path": "masked", "rows": 8, "columns": width + 6,
+                               "equal": False}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_one_token_prompt_gives_finite_logits_and_real_rows_as_before(base_manifest, dtype, monkeypatch):
+    """Left padding to the longest prompt when the shortest is one token: every pad query has
+    only pad keys. The prefill's mask lets a pad query attend to itself (decode.prefill_mask), so
+    no query reaches SDPA without a key (some GPU kernels give NaN there, and a NaN pad key
+    reaches real rows through P @ V): every logit is finite, each real position's logits are
+    bit for bit what transformers' own mask gives (today's draws), the decode steps after it
+    too, and each row equals its unpadded computation within rounding. A kernel made to give
+    NaN for a query without keys shows what the mask prevents. Cost: a few forwards, < 1 s."""
+    from pipeline.models.engines import decode
+    from pipeline.models.engines.hf import left_padded
+    from pipeline.models.hf import load_model
+    model = load_model(model_path(base_manifest), dtype).eval()
+    tok = TransformersEngine(model_path(base_manifest)).tokenizer
+    ids = _ids(tok, ["Q:3141592\nA:", "x", "Q:4\nA:"])
+    assert min(map(len, ids)) == 1 and max(map(len, ids)) > 4
+    inp, attn, pos = left_padded(ids, tok.pad_token_id, 4)
+    width, real = inp.shape[1], attn[:, :inp.shape[1]].bool()
+    with torch.inference_mode():
+        theirs = model(input_ids=inp, attention_mask=attn[:, :width], position_ids=pos).logits
+        ours = model(input_ids=inp, attention_mask=decode.prefill_mask(attn[:, :width]), position_ids=pos).logits
+        alone = [model(input_ids=torch.tensor([x]), position_ids=torch.arange(len(x))[None]).logits[0] for x in ids]
+    assert torch.isfinite(ours).all()
+    assert torch.equal(ours[real], theirs[real])
+    scale = max(float(a.abs().max()) for a in alone)
+    tol = 2 * rounding_tol(dtype, scale, model.config.hidden_size)
+    for row, x in enumerate(alone):
+        assert (ours[row, width - len(x):].double() - x.double()).abs().max() <= tol, row
+    # the decode steps after it: the real rows' logits as with transformers' own prefill mask
+    today, fixed = decode.HFForward(model), decode.HFForward(model)
+    today.pad_safe = False
+    lean = decode.LeanQwen3(model, width + 4)
+    step, p = inp, pos
+    with torch.inference_mode():
+        for t in range(4):
+            a, b, c = today(step, attn[:, :width + t], p), fixed(step, attn[:, :width + t], p), lean(step, attn[:, :width + t], p)
+            assert torch.equal(a, b) and torch.equal(a, c), t
+            step, p = a.argmax(-1, keepdim=True), p[:, -1:] + 1
+    # a kernel that gives NaN to a query without keys: transformers' own mask lets NaN reach the
+    # real rows' logits; the prefill mask never hands the kernel such a query
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    keyless = []
+
+    def nan_without_keys(q, k, v, attn_mask=None, **kw):
+        out = real_sdpa(q, k, v, attn_mask=attn_mask, **kw)
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            none = ~attn_mask.any(-1, keepdim=True)                  # [b, 1, q, 1]
+            keyless.append(int(none.sum()))
+            out = out.masked_fill(none, float("nan"))
+        return out
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", nan_without_keys)
+    with torch.inference_mode():
+        broken = decode.HFForward(model)
+        broken.pad_safe = False
+        assert not torch.isfinite(broken(inp, attn[:, :width], pos)).all()
+        keyless.clear()
+        assert torch.isfinite(decode.HFForward(model)(inp, attn[:, :width], pos)).all()
+    assert keyless and not any(keyless)
+
+
+def test_the_sampler_refuses_a_non_finite_logit(base_manifest, monkeypatch):
+    """A NaN logit (a broken kernel, a diverged model) stops the draw at once with one line naming
+    where it is; nothing is sampled from it or returned. Cost: a 3-step draw, < 1 s."""
+    from pipeline.models.engines import decode
+    from pipeline.models.engines.base import NonFiniteLogits
+    engine = TransformersEngine(model_path(base_manifest), batch_prompts=4, lean=False)
+    call = decode.HFForward.__call__
+    calls = []
+
+    def nan_at_third_step(self, *args):
+        logits = call(self, *args)
+        calls.append(1)
+        if len(calls) == 3:
+            logits[1, 7] = float("nan")
+        return logits
+    monkeypatch.setattr(decode.HFForward, "__call__", nan_at_third_step)
+    with pytest.raises(NonFiniteLogits) as err:
+        engine.generate(PROMPTS, SamplingParams(1, 1.0, 1.0, 10, seed=0))
+    msg = str(err.value)
+    assert "\n" not in msg and "not finite at new token 2" in msg and "batch row 1, token id 7: nan" in msg, msg
+    assert len(calls) == 3                                          # refused at once
