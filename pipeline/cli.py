@@ -1,8 +1,10 @@
 """The `ggpo` command line.
 
   ggpo up | down | status                 background Prefect + MLflow servers and the deployment
+  ggpo env                                export lines pointing the prefect CLI and MLflow clients at them
   ggpo run offline [--preset P] [--set k=v ...] [--force STAGE ...]   the flow, in-process
   ggpo run online [--preset P] ...        the online loop (Algorithm 1; default preset tiny-online)
+  ggpo run offline --deployment           the same, as a run of the served deployment ggpo/offline
   ggpo stage NAME [--preset P] [--set k=v ...] [--force]  one stage from cached inputs
   ggpo pool import SOURCE [--split S] [--map FIELD=COLUMN ...] [--trust-rewards]  a pool you already have
   ggpo stage score --model PATH ...       behavior log-probs for an imported pool, from a named model
