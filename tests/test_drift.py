@@ -11,6 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pipeline.core.config import load_config
 from pipeline.core.store import Store, model_path
@@ -84,15 +85,28 @@ def store_with_base(root: Path, base) -> Store:
     return Store(root)
 
 
-def test_a_cell_records_its_drift_and_the_guard_warns_stops_or_stays_off(tmp_path, base_manifest, caplog):
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory, base_manifest):
+    """A small cell with the guard off, every round measured: (store, counts, warnings said)."""
+    store = store_with_base(tmp_path_factory.mktemp("plain") / "s", base_manifest)
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())     # type: ignore[method-assign]
+    logging.getLogger("ggpo").addHandler(handler)
+    try:
+        counts = run_cell(load_config("smoke-online", SMALL), store, base_manifest).counts
+    finally:
+        logging.getLogger("ggpo").removeHandler(handler)
+    return store, counts, said
+
+
+def test_a_cell_records_its_drift_and_the_guard_warns_stops_or_stays_off(tmp_path, base_manifest, caplog, plain):
     """Off: every round's last row carries its drift (the others None) and nothing is said.
     A bound below any real drift: warn says one line per round and finishes; stop ends the
     cell after round 0 with its policy kept as the final, marked stopped with the reason."""
     cfg = load_config("smoke-online", SMALL)
-    store = store_with_base(tmp_path / "s", base_manifest)
-    with caplog.at_level(logging.WARNING, logger="ggpo"):
-        counts = run_cell(cfg, store, base_manifest).counts
-    assert counts["stalled"] is None and counts["rounds"] == 3 and "drift" not in caplog.text
+    store, counts, said = plain
+    assert counts["stalled"] is None and counts["rounds"] == 3 and not [w for w in said if "drift" in w]
     rows = pl.concat([pl.read_parquet(store.load("online_train", graph.online_keys(cfg, r)["online_train"]).path("metrics"))
                       for r in range(3)])
     ends = rows.filter(pl.col("round_drift").is_not_null())
@@ -122,9 +136,42 @@ def test_a_cell_records_its_drift_and_the_guard_warns_stops_or_stays_off(tmp_pat
     assert fresh.load("online_train", graph.online_keys(stop, 1)["online_train"]) is None     # round 1 never ran
 
 
+def test_drift_every_measures_every_kth_round_and_the_last(tmp_path, base_manifest, caplog, plain):
+    """online.drift_every = 2 over 3 rounds: round 1 (the 2nd) and round 2 (the last) are
+    measured, round 0 is not: its drift is missing (null in the metrics, None in its record,
+    no MLflow curve point), never 0, and the guard (a bound below any real drift) says
+    nothing for it. The keys, the updates and the weights are those of a cell measuring
+    every round."""
+    cfg = load_config("smoke-online", SMALL | {"online.drift_every": 2, "online.max_round_drift": 1e-9})
+    store = store_with_base(tmp_path / "k", base_manifest)
+    with caplog.at_level(logging.WARNING, logger="ggpo"):
+        counts = run_cell(cfg, store, base_manifest).counts
+    lines = [r.getMessage() for r in caplog.records if "max_round_drift" in r.getMessage()]
+    assert counts["rounds"] == 3 and len(lines) == 2, lines
+    assert "online round 1 " in lines[0] and "online round 2 " in lines[1]
+    every, _, _ = plain
+    plain_cfg = load_config("smoke-online", SMALL)
+    for r in range(3):
+        keys = graph.online_keys(cfg, r)
+        assert keys == graph.online_keys(plain_cfg, r)
+        rec, ref = store.load("online_train", keys["online_train"]), every.load("online_train", keys["online_train"])
+        got, want = pl.read_parquet(rec.path("metrics")), pl.read_parquet(ref.path("metrics"))
+        assert got.drop("seconds", "round_drift", "round_drift_seq").equals(
+            want.drop("seconds", "round_drift", "round_drift_seq"))      # the same updates, bit for bit
+        if r == 0:
+            assert got["round_drift"].null_count() == got.height == 2 and rec.summary["round_drift"] is None
+            assert not [k for k, _, _ in tracking.training_curves(rec) if k.startswith("train/round_drift")]
+        else:       # measured: the value of the cell that measures every round
+            assert got["round_drift"].to_list() == want["round_drift"].to_list()
+            assert rec.summary["round_drift"] == ref.summary["round_drift"] > 0
+    key = graph.expected_key("online_policy", cfg.updated({"eval.update": 6}))
+    a, b = (load_file(s.load("online_policy", key).path("weights")) for s in (store, every))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_the_guard_fields_enter_no_key():
     a = load_config("tiny-regime")
-    b = a.updated({"online.max_round_drift": 0.1, "online.on_drift": "stop"})
+    b = a.updated({"online.max_round_drift": 0.1, "online.on_drift": "stop", "online.drift_every": 3})
     assert graph.cell_key(a) == graph.cell_key(b)
     for stage in ("base", "rollout", "verify", "filter", "train", "evaluate", "online_pool", "online_train"):
         assert graph.expected_key(stage, a) == graph.expected_key(stage, b), stage

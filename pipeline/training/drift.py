@@ -24,17 +24,30 @@ update's geometry per round, without backward or reference, so at most ~1/N of t
 round's forwards, and the same sample on every rerun (deterministic on the CPU). The
 per-update `abs_log_ratio` cannot stand in for it: it is taken before each update's step,
 so the last one sees N - 1 updates of drift (none at N = 1), on that update's groups only.
+
+Measured rounds (`due`): online.drift_every = k measures round r (0-based) when r + 1 is a
+multiple of k, and the run's last round (train.updates / N rounds); the others skip the
+forward and their columns are None (missing, never 0), which online.max_round_drift skips
+too. Skipping changes nothing else: the forward draws no random numbers and takes no step.
 """
 from __future__ import annotations
 
 import torch
 
 from pipeline.core import seeding
+from pipeline.core.config import PipelineConfig
 from pipeline.core.schemas import DRIFT_COLUMNS
 from pipeline.training import distributed
 from pipeline.training.loop import my_micro_batches, policy_logprobs
 from pipeline.training.losses import LOG_RATIO_BOUND
 from pipeline.training.pool import batch, stack_groups
+
+
+def due(cfg: PipelineConfig) -> bool:
+    """Whether round cfg.online.round is measured: every online.drift_every rounds and the
+    run's last (train.updates // train.updates_per_step rounds)."""
+    r, rounds = cfg.online.round, cfg.train.updates // cfg.train.updates_per_step
+    return (r + 1) % cfg.online.drift_every == 0 or r + 1 >= rounds
 
 
 def drift_sample(n_groups: int, size: int, seed: int, round_: int) -> list[int]:
@@ -64,8 +77,11 @@ def from_sums(sums: torch.Tensor) -> dict[str, float | None]:
 @torch.no_grad()
 def round_drift(model, pool, groups: list[int], cfg, pad_id: int, rt) -> dict[str, float | None]:
     """DRIFT_COLUMNS of `model` against the pool's behavior log-probs on `groups` (pool
-    positions), in micro-batches of the training geometry. Under torchrun a collective:
-    each rank its shard, the sums added over ranks."""
+    positions), in micro-batches of the training geometry; None each for a round that is
+    not `due` (no forward). Under torchrun a collective: each rank its shard, the sums added
+    over ranks (every rank has the same config, so all skip the same rounds)."""
+    if not due(cfg):
+        return dict.fromkeys(DRIFT_COLUMNS)
     m, total = pool.group_size, torch.zeros(4, dtype=torch.float64)
     for chunk, real in my_micro_batches(pool, groups, cfg.train, rt.packed):
         b = batch(pool, chunk, pad_id, rt.packed, rt.bucket_overhead)
