@@ -39,8 +39,8 @@ figures a section had before it failed):
       run a shape (flash takes no padding mask) reports its error.
 
 Refuses a box it cannot use, in one line and exit status 2, before building anything: no
-CUDA device (a CPU build of torch, no NVIDIA driver), or a driver older than the torch
-wheel's CUDA needs (DRIVER_FOR_CUDA: CUDA 13, torch 2.14.0 from PyPI and vLLM 0.33, needs
+CUDA device (a CPU build of torch, no NVIDIA driver, or a driver older than the torch
+wheel's CUDA needs: DRIVER_FOR_CUDA; CUDA 13, torch 2.14.0 from PyPI and vLLM 0.33, needs
 driver >= 580). --quick runs the miniature on whatever device there is.
 
 Uses from the project: pipeline.models.runtime.make_runtime (Runtime.prepare / prepare_reference),
@@ -484,20 +484,24 @@ def driver_problem(cuda: str | None, driver: str | None) -> str | None:
 
 def refusal(quick: bool) -> str | None:
     """The one line saying why this box cannot run the full-size check (None: it can). The
-    full geometry never runs on a CPU (it would build and train a 1.7B model there)."""
+    full geometry never runs on a CPU (it would build and train a 1.7B model there). A driver
+    older than the wheel's CUDA refuses only where torch sees no GPU: where torch runs anyway
+    (CUDA's forward-compatibility package) it is said and the check goes on."""
     if quick:
         return None
     driver = driver_version()
     old = driver_problem(torch.version.cuda, driver)
+    if torch.cuda.is_available():
+        if old:
+            print(f"gpu_check: warning: {old}; torch runs on it here, vLLM's CUDA 13 libraries may not", flush=True)
+        return None
     if old:
-        return f"gpu_check: {old}: update the NVIDIA driver, or {INSTALL}"
-    if not torch.cuda.is_available():
-        if torch.version.cuda is None:
-            why = f"this torch {torch.__version__} is a CPU build"
-        else:
-            why = f"torch {torch.__version__} sees no GPU (NVIDIA driver: {driver or 'none found'})"
-        return f"gpu_check: no CUDA device ({why}); the full-size check needs one: {INSTALL}"
-    return None
+        return f"gpu_check: no usable CUDA device: {old}: update the NVIDIA driver to >= 580, or {INSTALL}"
+    if torch.version.cuda is None:
+        why = f"this torch {torch.__version__} is a CPU build"
+    else:
+        why = f"torch {torch.__version__} sees no GPU (NVIDIA driver: {driver or 'none found'})"
+    return f"gpu_check: no CUDA device ({why}); the full-size check needs one: {INSTALL}"
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """benchmarks/gpu_check.py runs on the GPU machine's bare image: torch and transformers,
 plus pydantic and polars (which the device kit carries), nothing else of this project's
 stack. Here every other package is made unimportable (a stub that raises), and the check's
-CPU smoke run must import and finish every section."""
+CPU smoke run must import and finish every section. The full-size run refuses a machine
+without CUDA in one line."""
 from __future__ import annotations
 
 import json
@@ -31,6 +32,57 @@ def test_gpu_check_runs_with_torch_transformers_pydantic_polars_only(tmp_path):
     layouts = [u["layout"] for u in figures["train"]["updates"]]
     assert layouts == ["padded", "packed (sdpa)"], layouts
     assert all(u["mfu"] >= 0 and u["tokens_per_s"] > 0 for u in figures["train"]["updates"])
+    gen = figures["transformers"]          # (b): stop ids that fire, the lean step's checks reported
+    assert gen["lean_draws_the_same_tokens"] and gen["lean"] and gen["lean_checked"] and gen["rows_stopped"] > 0
+    assert gen["lean_paths_checked"] == ["masked", "unmasked"]
+    assert all(c["equal"] for c in gen["lean_checks"]) and {c["check"] for c in gen["lean_checks"]} == {"forward", "attention"}
+    choices = {c["choice"]: c for c in figures["kernels"]["choices"]}     # (d): per SDPA choice
+    assert set(choices) == {"project", "flash", "efficient", "math", "cudnn", "torch default"}
+    for name, kernels in (("project", ["flash"]), ("math", ["math"]), ("torch default", ["flash"])):   # the CPU's kernels
+        c = choices[name]
+        assert c["generation_kernels"] == c["update_kernels"] == kernels, c
+        assert c["generation_tokens_per_s"] > 0 and c["update"]["tokens_per_s"] > 0, c
+    assert "No viable backend" in choices["cudnn"]["error"]            # a backend this machine lacks: said
+
+
+def test_gpu_check_refuses_a_box_without_cuda_in_one_line():
+    """Without --quick on a machine without CUDA the check stops before building anything:
+    one line saying why and what to install, exit status 2. Cost: one torch import, ~5 s."""
+    import torch
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("this machine has CUDA: the full check would run")
+    res = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--skip", "vllm"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    lines = (res.stdout + res.stderr).strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, (res.returncode, lines)
+    assert lines[0].startswith("gpu_check: no CUDA device (this torch ") and "driver >= 580" in lines[0], lines[0]
+    assert "--quick" in lines[0]
+
+
+def test_driver_requirement_of_the_wheels_cuda(monkeypatch, capsys):
+    """torch 2.14.0 from PyPI (+cu130) and vLLM 0.33 (cu13 libraries) need driver >= 580; a
+    cu12 wheel needs >= 525.60.13. Unknown versions (no driver, a CPU build) are no verdict. An
+    old driver refuses the run where torch sees no GPU, and is only said where torch runs on it.
+    Cost: < 1 s."""
+    import torch
+    gc = _gpu_check()
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(gc, "driver_version", lambda: "575.57.08")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = gc.refusal(quick=False)
+    assert line.startswith("gpu_check: no usable CUDA device: NVIDIA driver 575.57.08 is older") and "\n" not in line
+    assert gc.refusal(quick=True) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert gc.refusal(quick=False) is None and "warning: NVIDIA driver 575.57.08" in capsys.readouterr().out
+    monkeypatch.setattr(gc, "driver_version", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "sees no GPU (NVIDIA driver: none found)" in gc.refusal(quick=False)
+    assert gc.driver_problem("13.0", "580.65.06") is None and gc.driver_problem("13.0", "590.1") is None
+    assert "575.57.08 is older than this torch's CUDA 13.0 needs (>= 580)" in gc.driver_problem("13.0", "575.57.08")
+    assert gc.driver_problem("12.8", "525.60.13") is None
+    assert "(>= 525.60.13)" in gc.driver_problem("12.8", "525.60.11")
+    assert gc.driver_problem(None, "470.1") is None and gc.driver_problem("13.0", None) is None
 
 
 def _gpu_check():
