@@ -4,7 +4,8 @@ Reads `model`, `task`. Writes `model/` (an HF folder) and `sft.parquet` (warm-up
 With `model.name_or_path` set, the stage only records that path (an HF folder or hub id)
 and writes nothing else. Otherwise it builds the built-in tiny Qwen3 and warms it up by
 supervised learning on fresh task problems (never eval problems): token cross-entropy on
-`\\boxed{answer}<eos>` after the prompt, AdamW, linear warm-up then cosine decay. Every
+the target response and <eos> after the prompt (`\\boxed{answer}`; for
+countdown_work:W a search trace, catalog.sft_targets), AdamW, linear warm-up then cosine decay. Every
 `sft_check_every` steps it samples `check_samples` answers (T = 1) for `check_prompts`
 training prompts and stops once the sampled accuracy reaches `target_accuracy`: the model
 is then uncertain rather than wrong (greedy above sampled), which is the room RL needs
@@ -12,7 +13,11 @@ is then uncertain rather than wrong (greedy above sampled), which is the room RL
 one of many per problem, catalog.sft_stream, so the warm-up teaches variety). The summary
 reports, for the check prompts with GROUP_CHECK = 8 samples each at T = 1, what RL will see:
 mean@8, the share of mixed groups, and the mean number of distinct correct responses per
-group with a success (`check_mean_at_8`, `check_mixed_fraction`, `check_distinct_correct`).
+group with a success (`check_mean_at_8`, `check_mixed_fraction`, `check_distinct_correct`),
+with the mean response length in tokens (`check_mean_length`) and the distinct boxed
+answers among a group's correct responses (`check_distinct_boxed`: a search trace's text
+differs almost always, its answer less often). Check samples may take
+catalog.response_budget tokens (24, or a search trace's budget).
 Deterministic on CPU for a given config.
 """
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 
 from pipeline.core import interrupt
 from pipeline.core.config import ModelConfig, PipelineConfig
+from pipeline.core.errors import ParseError
 from pipeline.core.schemas import write_parquet
 from pipeline.core.seeding import derive_seed
 from pipeline.core.store import Manifest, Store, model_path  # noqa: F401 - also imported from here (tests, scripts)
@@ -33,7 +39,7 @@ from pipeline.models.engines import SamplingParams
 from pipeline.models.engines.hf import TransformersEngine
 from pipeline.models.tiny_model import build_model, build_tokenizer, save
 from pipeline.services.progress import Progress
-from pipeline.tasks import catalog
+from pipeline.tasks import catalog, countdown
 from pipeline.tasks.grading import grade_many, warm_up
 from pipeline.training.policy import make_batch, token_logprobs
 
@@ -50,36 +56,51 @@ def lr_at(step: int, cfg: ModelConfig) -> float:
 
 
 def sample_groups(engine, problems: list[tuple[str, str]], n: int, temperature: float,
-                  seed: int) -> list[list[tuple[str, float]]]:
+                  seed: int, max_new_tokens: int = 24) -> list[list[tuple[str, float]]]:
     """n graded samples per problem: one list of (response text, reward) per problem."""
     prompts = [catalog.format_prompt(problem) for problem, _ in problems]
-    outs = engine.generate(prompts, SamplingParams(n, temperature, 1.0, 24, seed, logprobs=False))
+    outs = engine.generate(prompts, SamplingParams(n, temperature, 1.0, max_new_tokens, seed, logprobs=False))
     texts = [c.text for group in outs for c in group]
     answers = [(answer,) for (_, answer), group in zip(problems, outs) for _ in group]
     rewards = iter(g[0] for g in grade_many(texts, answers, 5.0, workers=1))
     return [[(c.text, next(rewards)) for c in group] for group in outs]
 
 
-def accuracy(engine, problems: list[tuple[str, str]], n: int, temperature: float, seed: int) -> float:
-    rewards = [r for group in sample_groups(engine, problems, n, temperature, seed) for _, r in group]
+def accuracy(engine, problems: list[tuple[str, str]], n: int, temperature: float, seed: int,
+             max_new_tokens: int = 24) -> float:
+    rewards = [r for group in sample_groups(engine, problems, n, temperature, seed, max_new_tokens)
+               for _, r in group]
     return sum(rewards) / len(rewards)
 
 
-def group_stats(groups: list[list[tuple[str, float]]]) -> dict[str, float]:
+def boxed(text: str) -> str | None:
+    """The last box's content (None without one or for a box that never closes)."""
+    try:
+        return countdown.last_box(text)
+    except ParseError:
+        return None
+
+
+def group_stats(groups: list[list[tuple[str, float]]], tok=None) -> dict[str, float]:
     """What RL will see of the base policy (issue #17): mean@m, the share of mixed groups
     (0 < successes < m: the ones training keeps) and the mean number of distinct correct
     responses in a group with a success (1 on a task with one right string)."""
     m = len(groups[0])
     wins = [[text for text, r in group if r > 0.5] for group in groups]
     solved = [w for w in wins if w]
-    return {f"check_mean_at_{m}": sum(map(len, wins)) / (m * len(groups)),
-            "check_mixed_fraction": sum(0 < len(w) < m for w in wins) / len(groups),
-            "check_distinct_correct": sum(len(set(w)) for w in solved) / len(solved) if solved else 0.0}
+    out = {f"check_mean_at_{m}": sum(map(len, wins)) / (m * len(groups)),
+           "check_mixed_fraction": sum(0 < len(w) < m for w in wins) / len(groups),
+           "check_distinct_correct": sum(len(set(w)) for w in solved) / len(solved) if solved else 0.0,
+           "check_distinct_boxed": sum(len({boxed(t) for t in w}) for w in solved) / len(solved) if solved else 0.0}
+    if tok is not None:     # without the end token: the tiny tokenizer's tokens are characters
+        texts = [text for group in groups for text, _ in group]
+        out["check_mean_length"] = sum(len(tok(t, add_special_tokens=False)["input_ids"]) for t in texts) / len(texts)
+    return out
 
 
 def sft_step(model, opt, tok, batch: list[tuple[str, str]], lr: float) -> float:
     prompt_ids = [tok(catalog.format_prompt(p))["input_ids"] for p, _ in batch]
-    target_ids = [tok(catalog.format_target(a))["input_ids"] + [tok.eos_token_id] for _, a in batch]
+    target_ids = [tok(target)["input_ids"] + [tok.eos_token_id] for _, target in batch]
     b = make_batch(prompt_ids, target_ids, tok.pad_token_id)
     lp, _ = token_logprobs(model, b)
     loss = -(lp * b.mask).sum() / b.mask.sum()
@@ -97,7 +118,8 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
     warm_up()
     eval_problems = {p.problem for p in catalog.splits(cfg.task)["eval"]}
     check = catalog.sample_problems(cfg.task, "sft-check", mc.check_prompts, eval_problems)
-    stream = catalog.sft_stream(cfg.task, eval_problems)
+    stream = catalog.sft_targets(cfg.task, eval_problems)
+    budget = catalog.response_budget(cfg.task)
     tok = build_tokenizer()
     model = build_model(mc, len(tok))
     opt = torch.optim.AdamW(model.parameters(), lr=mc.sft_lr, betas=(0.9, 0.99), weight_decay=0.0)
@@ -113,15 +135,17 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
             loss = sft_step(model, opt, tok, [next(stream) for _ in range(mc.sft_batch_size)], lr_at(step - 1, mc))
             acc = float("nan")
             if step % mc.sft_check_every == 0 or step == mc.sft_max_steps:
-                acc = accuracy(engine, check, mc.check_samples, 1.0, derive_seed(mc.init_seed, f"sft/check{step}"))
+                acc = accuracy(engine, check, mc.check_samples, 1.0, derive_seed(mc.init_seed, f"sft/check{step}"),
+                               budget)
                 bar.set_postfix(sampled_accuracy=f"{acc:.2f}", target=mc.target_accuracy)
             for k, v in zip(log, (step, loss, lr_at(step - 1, mc), acc)):
                 log[k].append(v)
             bar.update(1, loss=f"{loss:.3f}")
             if acc >= mc.target_accuracy:
                 break
-    greedy = accuracy(engine, check, 1, 0.0, 0)
-    groups = group_stats(sample_groups(engine, check, GROUP_CHECK, 1.0, derive_seed(mc.init_seed, "sft/groups")))
+    greedy = accuracy(engine, check, 1, 0.0, 0, budget)
+    groups = group_stats(sample_groups(engine, check, GROUP_CHECK, 1.0, derive_seed(mc.init_seed, "sft/groups"),
+                                       budget), tok)
     tmp = folder / "model.tmp"
     save(model, tok, tmp)
     tmp.rename(folder / "model")

@@ -148,3 +148,114 @@ def test_a_malformed_countdown_reference_in_a_task_file_names_the_row(tmp_path, 
                   "answer": ["countdown:3 5 7=22", answer]}).write_parquet(path)
     with pytest.raises(DatasetError, match=r"t\.parquet: row 1 \(id b\), field 'answer': .* is not a countdown reference"):
         catalog.load_file(path)
+
+
+# ---------------------------------------------------------------- countdown_work: the length axis (#34)
+
+def lines_of(trace: str) -> tuple[list[str], str]:
+    """(the search lines, the box's content) of a trace."""
+    *lines, last = trace.split("\n")
+    assert last.startswith("\\boxed{") and last.endswith("}")
+    return lines, last[len("\\boxed{"):-1]
+
+
+@pytest.mark.parametrize("difficulty", [1, 2])
+def test_search_traces_are_seeded_correct_and_write_their_work(difficulty):
+    """Every trace's box grades 1 with countdown's verifier; the same stream gives the same
+    trace, another stream another; every line is true arithmetic over the numbers it has
+    (a given number or an earlier line's value); W failed tries are written (a leaf that
+    misses the target), no line before the last hits it with every number used, and the
+    last line's value is the target. 300 problems x 3 widths: ~0.3 s."""
+    from pipeline.tasks import countdown_work as cw
+    rng = random.Random(1)
+    for _ in range(100):
+        _, reference, _ = countdown.make(difficulty, rng)
+        given, target = countdown.parse_reference(reference)
+        for w in (0, 3, 10):
+            text = cw.trace(given, target, w, random.Random(f"{reference}/{w}"))
+            assert text == cw.trace(given, target, w, random.Random(f"{reference}/{w}"))
+            assert countdown.grade(text, reference) == (1.0, "ok")
+            lines, box = lines_of(text)
+            assert countdown.grade(f"\\boxed{{{box}}}", reference) == (1.0, "ok")
+            seen = list(given)
+            for line in lines:
+                expr, _, v = line.partition("=")
+                a, op, b = next((expr[:i], expr[i], expr[i + 1:]) for i in range(1, len(expr)) if expr[i] in "+-*")
+                assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] == int(v)
+                assert int(a) in seen and int(b) in seen
+                seen.append(int(v))
+            assert int(lines[-1].split("=")[1]) == target
+    a = cw.trace((3, 5, 7), 22, 4, random.Random(0))
+    assert a != cw.trace((3, 5, 7), 22, 4, random.Random(1))
+
+
+def test_search_trace_width_sets_the_length_and_the_failed_tries():
+    """W failed tries: at level 1 a trace of W = 0 is the solution's two lines and the box;
+    the mean length grows ~9.5 tokens a try (the module's table: 27, 67, 103, 122, 141 for
+    W = 0, 4, 8, 10, 12 over 2,000 problems; here 300, within 10 %); no trace exceeds its
+    budget. ~0.2 s."""
+    from pipeline.tasks import countdown_work as cw
+    rng = random.Random(0)
+    for i in range(200):
+        _, reference, _ = countdown.make(1, rng)
+        given, target = countdown.parse_reference(reference)
+        lines, _ = lines_of(cw.trace(given, target, 0, random.Random(i)))
+        assert len(lines) == 2
+        for w in (4, 10):
+            text = cw.trace(given, target, w, random.Random(i))
+            chosen = cw.pick(given, target, w, random.Random(i), signed=False)
+            assert [item[0] != target for _, item in chosen] == [True] * w + [False]
+            # the trace is the chosen leaves' lines, each written once, in the search's order
+            steps = dict.fromkeys(step for path, _ in chosen for step in path)
+            assert lines_of(text)[0] == [line for _, line in steps]
+            assert len(text) + 1 <= cw.budget(w, 3)         # the end token fits too
+    means = cw.measure_lengths([0, 4, 10], problems=300)
+    for w, expected in ((0, 27), (4, 67), (10, 122)):
+        assert abs(means[w] - expected) / expected < 0.1, (w, means[w])
+
+
+def test_search_trace_skips_a_hit_until_w_tries_are_written():
+    """3 5 7 > 22 has 4 solutions in 27 leaves: with W = 23 the search meets hits before its
+    23rd miss and must skip them (no line but the last reaches 22 with every number used);
+    W past the search's misses writes them all, then the first hit."""
+    from pipeline.tasks import countdown_work as cw
+    for w in (23, cw.MAX_WIDTH):
+        lines, box = lines_of(cw.trace((3, 5, 7), 22, w, random.Random(5)))
+        assert box in countdown.solutions((3, 5, 7), 22)
+        second = [line for line in lines if line.count("=") == 1 and line.split("=")[1] == "22"]
+        assert lines[-1] in second and len(second) == 1
+    assert len(lines_of(cw.trace((3, 5, 7), 22, cw.MAX_WIDTH, random.Random(5)))[0]) >= 23
+    assert cw.trace((1, 1), 2, 5, random.Random(0)).endswith("\\boxed{1+1}")      # 1-1, 1*1 miss; then the hit
+
+
+def test_countdown_work_task_is_countdown_with_traces():
+    """countdown_work:W: countdown's splits (same problems, references, prompts), the same
+    verifier on a long response, trace targets for the warm-up, a response budget; a bad W
+    is one clear error. ~0.1 s."""
+    from pipeline.core.errors import DatasetError
+    from pipeline.tasks import countdown_work as cw
+    short = catalog.splits(TaskConfig(name="countdown", n_train=100, n_eval=30))
+    work = catalog.splits(TaskConfig(name="countdown_work:10", n_train=100, n_eval=30))
+    for k in ("train", "eval"):
+        assert [(p.problem, p.answer) for p in work[k]] == [(p.problem, p.answer) for p in short[k]]
+    assert work["eval"][0].id == "countdown_work:10-d1-eval-00000"
+    cfg = TaskConfig(name="countdown_work:10", n_train=100, n_eval=30)
+    plain = catalog.sft_stream(TaskConfig(name="countdown", n_train=100, n_eval=30), set())
+    targets = catalog.sft_targets(cfg, set())
+    for _ in range(50):
+        (problem, target), (same, _) = next(targets), next(plain)
+        given, value = problem.split(">")
+        assert problem == same and countdown.grade(target, f"{countdown.PREFIX}{given}={value}") == (1.0, "ok")
+        assert target.count("\n") >= 10
+    assert next(catalog.sft_targets(TaskConfig(name="countdown"), set()))[1].startswith("\\boxed{")
+    assert catalog.response_budget(cfg) == cw.budget(10, 3) == 158
+    assert catalog.response_budget(TaskConfig(name="countdown")) == 24
+    assert catalog.is_builtin("countdown_work") and catalog.content_key(cfg) == {}
+    for bad in ("countdown_work:x", "countdown_work:-1", "countdown_work:999"):
+        with pytest.raises(DatasetError, match=r"countdown_work:W"):
+            catalog.splits(TaskConfig(name=bad))
+    # the verifier decides on the last box of a long response, within countdown's bounds
+    long = "\n".join(["3+5=8", "8*7=56"] * 60) + "\n\\boxed{3*5+7}"
+    assert countdown.grade(long, REF) == (1.0, "ok")
+    assert countdown.grade(long.replace("\\boxed{3*5+7}", "\\boxed{3+5+7}"), REF) == (0.0, "ok")
+    assert countdown.grade(long.replace("\\boxed{3*5+7}", "15+7=22"), REF) == (0.0, "no_answer")

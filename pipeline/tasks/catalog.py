@@ -11,6 +11,11 @@ written as `\\boxed{N}` that math-verify grades:
   (`3 5 7>22` -> `\\boxed{3*5+7}`, `\\boxed{7+5*3}`, ...): many correct responses per
   prompt. Its reference answer `countdown:3 5 7=22` routes grading to the task's own
   verifier, which checks the expression's meaning (pipeline/tasks/countdown.py).
+- `countdown_work:W` (`countdown_work` is W = 0): countdown's problems, prompts, references
+  and verifier (its splits are countdown's at the same difficulty and split seed), but the
+  warm-up's target is a search trace that writes W failed tries, one line per combination,
+  before its `\\boxed{}` (pipeline/tasks/countdown_work.py): the length axis of issue #34.
+  `response_budget` is the base's sampling budget for it (24 tokens for the others).
 Any other `task.name` is a path to a Parquet or JSONL file with `problem` and `answer`
 columns (`id` optional; a relative path is looked up from the working directory, then
 the project root, `paths.project_file`); the splits are a seeded permutation of its rows.
@@ -36,12 +41,38 @@ from pipeline.core.errors import DatasetError
 from pipeline.core.paths import project_file
 from pipeline.core.seeding import permutation, py_random
 from pipeline.core.store import sha256_cached
-from pipeline.tasks import countdown
+from pipeline.tasks import countdown, countdown_work
 
-BUILTIN = ("digit_sort", "arithmetic", "countdown")
+BUILTIN = ("digit_sort", "arithmetic", "countdown", "countdown_work")   # and countdown_work:W
 SKIP_LIMIT = 0.01       # a file with more unusable rows than this share is refused
 log = logging.getLogger("ggpo")
 PROMPT_TEMPLATE = "Q:{problem}\nA:"   # the tiny model's format: short, no chat template
+
+
+def work_width(name: str) -> int | None:
+    """W of a `countdown_work:W` name, None for any other; a malformed W is a DatasetError."""
+    try:
+        return countdown_work.parse_name(name)
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from None
+
+
+def is_builtin(name: str) -> bool:
+    """A built-in family (BUILTIN, or countdown_work:W), not a task file."""
+    return name in BUILTIN or work_width(name) is not None
+
+
+def stream_name(name: str) -> str:
+    """The name a task's random streams are drawn under: countdown_work:W draws countdown's
+    problems, so the length axis compares the same prompts."""
+    return "countdown" if work_width(name) is not None else name
+
+
+def response_budget(cfg: TaskConfig) -> int:
+    """Tokens the base stage's check samples may take: a search trace's budget for
+    countdown_work:W (countdown_work.budget), else 24 (the short tasks' answers)."""
+    width = work_width(cfg.name)
+    return 24 if width is None else countdown_work.budget(width, countdown.count_of(cfg.difficulty))
 
 
 @dataclass(frozen=True)
@@ -70,14 +101,14 @@ def draw(name: str, difficulty: int, rng) -> tuple[str, str, str]:
         b = rng.randint(1, 9) if op == "*" else rng.randint(lo, hi)
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         return f"{a}{op}{b}", str(value), str(value)
-    if name == "countdown":
+    if name == "countdown" or work_width(name) is not None:
         return countdown.make(difficulty, rng)
     raise DatasetError(f"unknown built-in task '{name}'; known: {', '.join(BUILTIN)}")
 
 
 def sample_problems(cfg: TaskConfig, purpose: str, count: int, exclude: set[str]) -> list[tuple[str, str]]:
     """`count` distinct (problem, answer) pairs of a built-in task from stream `purpose`."""
-    rng = py_random(cfg.split_seed, f"task/{cfg.name}/d{cfg.difficulty}/{purpose}")
+    rng = py_random(cfg.split_seed, f"task/{stream_name(cfg.name)}/d{cfg.difficulty}/{purpose}")
     seen = set(exclude)
     out: list[tuple[str, str]] = []
     for _ in range(count * 50):
@@ -132,7 +163,7 @@ def read_table(path: Path, error: type[Exception] | None = None) -> pl.DataFrame
 
 def content_key(cfg: TaskConfig) -> dict[str, str]:
     """{"task_file": sha256} when task.name is a file, else {} (built-ins are code)."""
-    if cfg.name in BUILTIN:
+    if is_builtin(cfg.name):
         return {}
     return {"task_file": sha256_cached(existing_file(cfg.name))}
 
@@ -215,7 +246,7 @@ def load_file(path: str | Path) -> list[Problem]:
 def file_report(cfg: TaskConfig) -> dict:
     """For a stage's summary: the task file's rows and the unusable rows it skipped ({} for
     a built-in task)."""
-    if cfg.name in BUILTIN:
+    if is_builtin(cfg.name):
         return {}
     f = read_task_file(cfg.name)
     return {"task_rows": f.total, "task_rows_skipped": len(f.skipped), "task_rows_skipped_ids": ", ".join(f.skipped[:5])}
@@ -229,7 +260,7 @@ def splits(cfg: TaskConfig) -> dict[str, list[Problem]]:
     """{'train': [...], 'eval': [...]}: disjoint, deterministic in cfg. A built-in task's are
     drawn once per config per process (an online round asks every time: 2,248 countdown
     problems cost ~30 ms a round); each caller gets its own lists."""
-    if cfg.name not in BUILTIN:
+    if not is_builtin(cfg.name):
         return _file_splits(cfg)
     key = cfg.model_dump_json()
     with _splits_lock:
@@ -261,11 +292,26 @@ def _builtin_splits(cfg: TaskConfig) -> dict[str, list[Problem]]:
 def sft_stream(cfg: TaskConfig, exclude: set[str]):
     """Endless fresh (problem, box content) pairs for the warm-up (never an eval problem):
     the box content is a correct response's, for countdown a random one of many."""
-    rng = py_random(cfg.split_seed, f"task/{cfg.name}/d{cfg.difficulty}/sft")
+    rng = py_random(cfg.split_seed, f"task/{stream_name(cfg.name)}/d{cfg.difficulty}/sft")
     while True:
         problem, _, boxed = draw(cfg.name, cfg.difficulty, rng)
         if problem not in exclude:
             yield problem, boxed
+
+
+def sft_targets(cfg: TaskConfig, exclude: set[str]):
+    """Endless (problem, target response) pairs for the warm-up: `\\boxed{answer}` of
+    sft_stream's pairs, or for countdown_work:W a search trace of width W over the same
+    problems (its own stream draws the search order)."""
+    width = work_width(cfg.name)
+    if width is None:
+        for problem, boxed in sft_stream(cfg, exclude):
+            yield problem, format_target(boxed)
+        return
+    rng = py_random(cfg.split_seed, f"task/{cfg.name}/d{cfg.difficulty}/trace")
+    for problem, _ in sft_stream(cfg, exclude):
+        numbers, target = countdown.parse_reference(countdown.PREFIX + problem.replace(">", "="))
+        yield problem, countdown_work.trace(numbers, target, width, rng)
 
 
 PLAIN_TEMPLATE = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{{}}."
