@@ -10,7 +10,10 @@ training runs every update, so no cell stalls. Diagnostics table: each run's spe
 diagnostics averaged over one window common to every cell (the last quarter of the
 shortest planned run, stated in the caption), then mean ± sample std over seeds;
 `abs_log_ratio` (token mean |log pi_theta - log pi_beh|) is the learner's drift from the
-pool's policy. One seed: no ±. Figure: accuracy, token-mean |log ratio| learner/behavior,
+pool's policy. Then the mismatch table (mismatch.py: |log rho|, K3, chi-square per token
+and per response, sequence ESS, and the share each method's rule clipped, truncated or
+masked) over the same window; diagnostics.csv holds every column of both, an old cache's
+missing columns as null. One seed: no ±. Figure: accuracy, token-mean |log ratio| learner/behavior,
 normalized sequence ESS and grad norm against updates, one line per method (seed means).
 """
 from __future__ import annotations
@@ -20,22 +23,28 @@ from pathlib import Path
 from typing import cast
 
 import polars as pl
+import pyarrow.parquet as pq
 
 from pipeline.core import grid
 from pipeline.core.config import PipelineConfig
 from pipeline.core.store import write_file_atomic, write_text_atomic
 from pipeline.dag import graph
-from pipeline.reports import compare
+from pipeline.reports import compare, mismatch
 from pipeline.services import tracking
 
 # the offline diagnostics table's columns (TRAIN_METRICS), drift from the pool first
 DIAGNOSTICS = ("abs_log_ratio", "k3_mismatch", "ess", "mean_ell", "entropy", "success_ess", "grad_norm")
+# and the mismatch table's (mismatch.py) not among them: diagnostics.csv has both
+CURVE_COLUMNS = DIAGNOSTICS + tuple(c for c in mismatch.OFFLINE + mismatch.RULES if c not in DIAGNOSTICS)
 
 
 def training_curves(trained, method: str, seed: int, cell: str | None = None) -> pl.DataFrame:
     """The figure's and the diagnostics table's per-update series of one training manifest,
     labelled by method and seed (and by its grid cell's label, when the experiment has a grid)."""
-    curves = (pl.read_parquet(trained.path("metrics"), columns=["update", *DIAGNOSTICS])
+    path = trained.path("metrics")
+    present = set(pq.read_schema(path).names)      # a record from before a column: null there
+    curves = (mismatch.with_nulls(pl.read_parquet(path, columns=["update", *(c for c in CURVE_COLUMNS if c in present)]),
+                                  CURVE_COLUMNS).select("update", *CURVE_COLUMNS)
               .with_columns(pl.lit(method).alias("method"), pl.lit(seed).alias("seed")))
     return curves if cell is None else curves.with_columns(pl.lit(cell).alias("cell"))
 
@@ -145,11 +154,21 @@ def window_means(curves: pl.DataFrame, ids: list[str], values: list[str]) -> pl.
 
 
 def diagnostics(curves: pl.DataFrame) -> pl.DataFrame:
-    """The offline runs' diagnostics (DIAGNOSTICS) over the common window (window_means),
-    mean and `_std` over seeds, one row per cell (or method)."""
+    """The offline runs' diagnostics (CURVE_COLUMNS: DIAGNOSTICS, then the mismatch table's
+    others) over the common window (window_means), mean and `_std` over seeds, one row per
+    cell (or method)."""
     if not curves.height:        # nothing trained yet (`ggpo report` on a partly built experiment)
         return pl.DataFrame()
-    return window_means(curves, [label_column(curves)], list(DIAGNOSTICS))
+    return window_means(curves, [label_column(curves)], list(CURVE_COLUMNS))
+
+
+def diagnostics_markdown(diag: pl.DataFrame) -> str:
+    """The diagnostics table (DIAGNOSTICS) and the mismatch table of a diagnostics frame."""
+    if not diag.height:
+        return ""
+    return (markdown_diagnostics(diag, list(DIAGNOSTICS), DIAGNOSTICS_TITLE) + "\n"
+            + mismatch.markdown(diag, [label_column(diag)], mismatch.OFFLINE, mismatch.title(online=False) + window_sentence(diag),
+                                seeds_text))
 
 
 WINDOW_COLUMNS = ("stopped", "stopped_at", "window")
@@ -175,7 +194,8 @@ def markdown_diagnostics(diag: pl.DataFrame, values: list[str], title: str) -> s
     """A diagnostics frame (over_seeds or window_means columns) as Markdown: the ids, the
     seeds (and those that stopped before the window), 'mean ± std'."""
     skip = set(values) | set(WINDOW_COLUMNS) | {"seeds"}
-    ids = [c for c in diag.columns if c not in skip and not c.endswith("_std")]
+    # ids: what is neither a value shown nor one left out (each value has its `_std`)
+    ids = [c for c in diag.columns if c not in skip and not c.endswith("_std") and f"{c}_std" not in diag.columns]
     lines = [title + window_sentence(diag), "", "| " + " | ".join(ids + ["seeds"] + values) + " |",
              "|" + "---|" * (len(ids) + 1 + len(values))]
     for r in diag.iter_rows(named=True):
@@ -264,7 +284,7 @@ def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) 
              "figure": folder / "curves.png"}
     # each file written whole or not at all (a full disk leaves the previous report)
     write_text_atomic(paths["markdown"], markdown(summary, metric) + (
-        "\n" + markdown_diagnostics(diag, list(DIAGNOSTICS), DIAGNOSTICS_TITLE) if diag.height else ""))
+        "\n" + diagnostics_markdown(diag) if diag.height else ""))
     write_file_atomic(paths["csv"], summary.write_csv)
     write_file_atomic(paths["diagnostics"], diag.write_csv)
     figure(evals, curves, paths["figure"])

@@ -29,10 +29,14 @@ seed's value where it is bimodal (some but not all seeds stalled), and its stall
   at the cell's beta), response length, and the learner-to-behavior drift at the rounds'
   ends `round_drift` / `round_drift_seq` (token mean |log ratio| / response mean |log
   sequence weight|, pipeline/training/drift.py); each mean ± sample std over seeds of the
-  per-seed averages.
+  per-seed averages. Then the mismatch table over the same window (mismatch.py: |log rho|
+  and its largest token, K3, chi-square per token and per response, sequence ESS, and the
+  share each method's rule clipped, truncated or masked); diagnostics.csv has every column.
 - drift.md/csv: the drift at every round's end, per cell (mean ± std over seeds per round in
-  the CSV; first, mean, max and last round of each seed's own rounds in the table), and in
-  figure1.png.
+  the CSV, beside each round's means of the mismatch columns; first, mean, max and last
+  round of each seed's own rounds in the table), and in figure1.png.
+
+Rounds recorded before a column existed lack it: it reads as null (never an error).
 """
 from __future__ import annotations
 
@@ -47,13 +51,23 @@ from pipeline.core.config import PipelineConfig
 from pipeline.core.schemas import DRIFT_COLUMNS as DRIFT
 from pipeline.core.store import write_file_atomic, write_text_atomic
 from pipeline.dag import graph
-from pipeline.reports import compare, stats
-from pipeline.reports.offline import PLANNED, markdown_diagnostics, over_seeds, planned_updates, window_means
+from pipeline.reports import compare, mismatch, stats
+from pipeline.reports.offline import (
+    PLANNED,
+    markdown_diagnostics,
+    over_seeds,
+    planned_updates,
+    seeds_text,
+    window_means,
+    window_sentence,
+)
 from pipeline.services import tracking
 
 KEYS = ("method", "cell", "N", "t_ref")
 DIAGNOSTICS = ("k3_mismatch", "ess", "mean_ell", "entropy", "success_ess", "response_length", "round_drift",
                "round_drift_seq")
+# the mismatch table's columns not among them (diagnostics.csv holds both)
+EXTRA = tuple(c for c in mismatch.COLUMNS if c not in DIAGNOSTICS)
 
 
 def columns(cell: grid.GridCell, cfg: PipelineConfig) -> dict[str, Any]:
@@ -77,7 +91,8 @@ def record(cell: grid.GridCell, cfg: PipelineConfig, update: int, evaluation) ->
 def cell_curves(cell: grid.GridCell, cfg: PipelineConfig, rounds: list) -> pl.DataFrame:
     """A cell's per-update rows (ONLINE_METRICS of every round's training) with its columns,
     seed and planned updates."""
-    return (pl.concat([pl.read_parquet(m.path("metrics")) for m in rounds])
+    # diagonal: a cell continued after a column was added has rounds without it (null there)
+    return (pl.concat([pl.read_parquet(m.path("metrics")) for m in rounds], how="diagonal_relaxed")
             .with_columns(**{k: pl.lit(v) for k, v in columns(cell, cfg).items()}, seed=pl.lit(cell.seed),
                           **{PLANNED: pl.lit(cell.config.train.updates)}))
 
@@ -210,8 +225,9 @@ def diagnostics(curves: pl.DataFrame) -> pl.DataFrame:
     """Spec-9 diagnostics and the round drift averaged over one window common to every cell
     (offline.window_means: the last quarter of the shortest planned run; Figure 7), then
     mean, `<name>_std` (sample std) and `seeds` over the seeds that reached its end, with
-    those that stopped before it (`stopped`, `stopped_at`) and the window (`window`)."""
-    return window_means(curves, identity(curves), list(DIAGNOSTICS))
+    those that stopped before it (`stopped`, `stopped_at`) and the window (`window`); the
+    mismatch table's columns (EXTRA) after them."""
+    return window_means(curves, identity(curves), list(DIAGNOSTICS + EXTRA))
 
 
 DIAGNOSTICS_TITLE = "Diagnostics (each seed's mean over the window, then mean ± sample std over seeds)."
@@ -228,11 +244,18 @@ def with_drift(curves: pl.DataFrame) -> pl.DataFrame:
 
 
 def drift_rounds(curves: pl.DataFrame) -> pl.DataFrame:
-    """The drift at each round's end: one row per cell and round (its last update), the
-    mean and `_std` over seeds of round_drift and round_drift_seq."""
-    present = with_drift(curves)
-    ends = present.filter(pl.col("update") == pl.col("update").max().over("cell", "seed", "round"))
-    return over_seeds(ends.sort("round", maintain_order=True), identity(curves) + ["round", "update"], list(DRIFT))
+    """drift.csv: one row per cell and round, the drift at the round's end (round_drift,
+    round_drift_seq at its last update) and the round's mismatch (mismatch.COLUMNS: each the
+    mean over the round's updates that have it; max_abs_log_ratio the round's largest),
+    then mean and `_std` over seeds; null where the rounds predate a column."""
+    present = mismatch.with_nulls(with_drift(curves), mismatch.COLUMNS)
+    by = ["cell", "seed", "round"]
+    ends = present.filter(pl.col("update") == pl.col("update").max().over(by))
+    means = present.group_by(by).agg(*[(pl.col(c).drop_nulls().max() if c == "max_abs_log_ratio"
+                                        else pl.col(c).drop_nulls().mean()) for c in mismatch.COLUMNS])
+    rounds = ends.drop(mismatch.COLUMNS).join(means, on=by, how="left", nulls_equal=True, maintain_order="left")
+    return over_seeds(rounds.sort("round", maintain_order=True), identity(curves) + ["round", "update"],
+                      list(DRIFT + mismatch.COLUMNS))
 
 
 def drift_summary(curves: pl.DataFrame) -> pl.DataFrame:
@@ -360,8 +383,10 @@ def curve_tables(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, paths:
     into `folder` (appended to `paths`)."""
     diag = diagnostics(curves)
     drift = drift_summary(curves)
-    parts = [markdown_diagnostics(diag.drop([c for c in diag.columns if c.count(".")] or []), list(DIAGNOSTICS),
-                                  DIAGNOSTICS_TITLE),
+    shown = diag.drop([c for c in diag.columns if c.count(".")] or [])
+    parts = [markdown_diagnostics(shown, list(DIAGNOSTICS), DIAGNOSTICS_TITLE),
+             mismatch.markdown(shown, [c for c in ("cell", "N", "t_ref") if c in shown.columns], mismatch.MISMATCH,
+                               mismatch.title(online=True) + window_sentence(shown), seeds_text),
              markdown_diagnostics(drift.drop([c for c in drift.columns if c.count(".")] or []),
                                   ["rounds", "first", "mean", "max", "last"], DRIFT_TITLE)]
     write_file_atomic(folder / "diagnostics.csv", diag.write_csv)
