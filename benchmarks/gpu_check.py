@@ -43,7 +43,8 @@ CUDA device (a CPU build of torch, no NVIDIA driver, or a driver older than the 
 wheel's CUDA needs: DRIVER_FOR_CUDA; CUDA 13, torch 2.14.0 from PyPI and vLLM 0.33, needs
 driver >= 580). --quick runs the miniature on whatever device there is.
 
-Uses from the project: pipeline.models.runtime.make_runtime (Runtime.prepare / prepare_reference),
+Uses from the project: pipeline.models.runtime.make_runtime (Runtime.prepare / prepare_reference;
+its SDPA_BACKENDS and ATTENTION_DEVICES for (d)), pipeline.models.hf.load_model,
 pipeline.training.loop.Pool and run_update(..., runtime=rt), pipeline.models.engines.hf.TransformersEngine,
 pipeline.models.engines.vllm_engine.VLLMEngine, pipeline.core.config.load_config, pipeline.models.tiny_model.save.
 All figures go to stdout, and as JSON to --out when given.
@@ -372,14 +373,16 @@ def reference_forward(reference, batch, rt) -> None:
         policy_logprobs(reference, batch, rt, 1.0)
 
 
-def kernels_section(model, folder: Path, g: dict, device: torch.device, args, out: dict) -> dict:
+def kernels_section(folder: Path, g: dict, device: torch.device, args, out: dict) -> dict:
     """(d): under each SDPA choice, one generation and one padded update (after an untimed
-    one at the same shapes), and the SDPA kernels each ran (module docstring)."""
+    one at the same shapes), and the SDPA kernels each ran (module docstring); the model
+    loaded from the folder (fp32, as the trainer's)."""
     import copy
 
     from pipeline.core.config import load_config
     from pipeline.models.engines import SamplingParams
     from pipeline.models.engines.hf import TransformersEngine
+    from pipeline.models.hf import load_model
     from pipeline.models.runtime import make_runtime
     from pipeline.training.policy import make_batch
     cfg = load_config("tiny", {
@@ -387,7 +390,8 @@ def kernels_section(model, folder: Path, g: dict, device: torch.device, args, ou
         "rollout.temperature": 1.0, "train.micro_batch_tokens": args.micro_batch_tokens,
         "train.gradient_checkpointing": True, "train.device": "auto", "train.dtype": "auto", "train.packing": "off"})
     rt = make_runtime(cfg.train)
-    reference, policy = rt.prepare_reference(copy.deepcopy(model)), rt.prepare(copy.deepcopy(model))
+    model = load_model(str(folder))
+    reference, policy = rt.prepare_reference(copy.deepcopy(model)), rt.prepare(model)
     policy.train()
     n_params = sum(p.numel() for p in policy.parameters())
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr, betas=cfg.train.adam_betas)
@@ -528,18 +532,16 @@ def main() -> None:
         guarded("model", results, model_section, g, device, folder, built)
         model = built.pop("model", None)
         missing = {"error": "skipped: no model (see the section model)"}
-        for part, part_fn, part_args in (("train", train_section, (model, g, args)),
-                                         ("kernels", kernels_section, (model, folder, g, device, args))):
-            if part not in args.skip:
-                if model is None:
-                    results[part] = missing
-                else:
-                    guarded(part, results, part_fn, *part_args, out={})
+        if "train" not in args.skip:
+            guarded("train", results, train_section, model, g, args, out={}) if model is not None \
+                else results.update(train=missing)
         del model
-        for name, fn, extra in (("transformers", transformers_section, (device, args.threads)), ("vllm", vllm_section, ())):
+        # (d) last: the figures the device kit's time limit must not cut come first
+        for name, fn, extra in (("transformers", transformers_section, (device, args.threads)), ("vllm", vllm_section, ()),
+                                ("kernels", kernels_section, (device, args))):
             if name not in args.skip:
                 if (folder / "config.json").exists():
-                    guarded(name, results, fn, folder, g, *extra)
+                    guarded(name, results, fn, folder, g, *extra, **({"out": {}} if name == "kernels" else {}))
                 else:
                     results[name] = missing
     results["total_seconds"] = round(time.perf_counter() - start, 1)

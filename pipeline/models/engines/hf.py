@@ -6,7 +6,9 @@ the exact distribution it was drawn from, the random stream is an explicit seede
 a right-padded teacher-forced recompute to ~1e-6, which a test checks). Decode steps run on
 transformers' forward or, for Qwen3, on a lean copy of it with the same logits (`decode.py`).
 Rows that have stopped leave the batch (`_worth_shrinking`), and the draw does not depend on when they do
-(`_draw`), so a batch costs the tokens its rows produce.
+(`_draw`), so a batch costs the tokens its rows produce. On CUDA every forward runs under the
+project's attention kernels (runtime.attention_backends); a NaN or infinite logit stops the draw in
+one line (NonFiniteLogits), never sampled from or scored.
 """
 from __future__ import annotations
 
