@@ -4,6 +4,8 @@
   ggpo env                                export lines pointing the prefect CLI and MLflow clients at them
   ggpo run offline [--preset P] [--set k=v ...] [--force STAGE ...]   the flow, in-process
   ggpo run online [--preset P] ...        the online loop (Algorithm 1; default preset tiny-online)
+  ggpo run corrections [--preset P] ...   every method on the staleness ladder and the fixed pool
+                                          (default preset corrections): report/corrections.md/.csv/.png
   ggpo run offline --deployment           the same, as a run of the served deployment ggpo/offline
   ggpo stage NAME [--preset P] [--set k=v ...] [--force]  one stage from cached inputs
   ggpo pool import SOURCE [--split S] [--map FIELD=COLUMN ...] [--trust-rewards]  a pool you already have
@@ -65,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
                                "servers: eval \"$(ggpo env)\"")
     sub.add_parser("status", help="are they up and healthy")
     run = sub.add_parser("run", help="run a flow in this process")
-    run.add_argument("flow", choices=["offline", "online"])
+    run.add_argument("flow", choices=["offline", "online", "corrections"])
     _config_args(run, default=None)
     run.add_argument("--force", nargs="*", default=[], metavar="STAGE", help="stages to recompute")
     run.add_argument("--deployment", action="store_true",
@@ -157,7 +159,9 @@ def cmd_status(args) -> int:
     return 0 if all(s["healthy"] for s in state["services"].values()) else 1
 
 
-DEFAULT_PRESET = {"offline": "tiny", "online": "tiny-online"}
+DEFAULT_PRESET = {"offline": "tiny", "online": "tiny-online", "corrections": "corrections"}
+# what a flow is checked as (preflight): the corrections flow's cells are online cells
+CHECKED_AS = {"corrections": "online"}
 
 
 def cmd_run(args) -> int:
@@ -165,7 +169,7 @@ def cmd_run(args) -> int:
     from pipeline.dag.preflight import check_run
     # config, data and every prerequisite before any server, worker or model starts: a bad
     # --set or task file answers in seconds, with nothing of Prefect's after it
-    check_run(args.flow, args.preset, _overrides(args), args.force)
+    check_run(CHECKED_AS.get(args.flow, args.flow), args.preset, _overrides(args), args.force)
     if args.deployment:
         return run_deployment(args)
     # Prefect's state and result pickles under $GGPO_HOME, not ~/.prefect
@@ -178,6 +182,8 @@ def cmd_run(args) -> int:
     # otherwise do after the server answers
     if args.flow == "online":
         from flows.online import ggpo_online as ggpo
+    elif args.flow == "corrections":
+        from flows.corrections import ggpo_corrections as ggpo
     else:
         from flows.offline import ggpo
     tracking.prepare(tracking.EXPERIMENTS[args.flow])
@@ -551,6 +557,8 @@ def cmd_report(args) -> int:
     from pipeline.dag.preflight import flow_overrides
     cfg = load_config(args.preset, flow_overrides(args.overrides))
     flow = cfg.experiment.flow
+    if flow == "corrections":
+        return report_corrections(args.preset, cfg)
     if flow == "online":
         evals, curves, timings = online.from_cache(cfg, Store())
     else:
@@ -568,8 +576,28 @@ def cmd_report(args) -> int:
         print(offline.markdown(offline.summarize(evals), f"mean@{cfg.eval.n_samples}"))
         diag = offline.diagnostics(curves)
         if diag.height:
-            print(offline.markdown_diagnostics(diag, list(offline.DIAGNOSTICS), offline.DIAGNOSTICS_TITLE))
+            print(offline.diagnostics_markdown(diag))
     print(f"MLflow: {tracking.tracking_uri()} (experiment {tracking.EXPERIMENTS[flow]})")
+    return 0
+
+
+def report_corrections(preset: str, cfg) -> int:
+    """`ggpo report` of a corrections experiment: both parts' timings, then the corrections
+    table (reports/corrections.py) as the flow writes it, from the cache."""
+    import tempfile
+
+    from pipeline.reports import corrections
+    on_evals, on_curves, off_evals, off_curves, timings = corrections.from_cache(cfg, Store())
+    print_timings(preset, timings)
+    if not (on_evals.height or off_evals.height):
+        print(f"nothing evaluated yet for this experiment: run it with `ggpo run corrections --preset {preset}` "
+              "(and the same --set options)")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            table, _, _ = corrections.write(on_evals, on_curves, off_evals, off_curves, Path(tmp),
+                                            f"mean@{cfg.eval.n_samples}")
+        print(table)
+    print(f"MLflow: {tracking.tracking_uri()} (experiment {tracking.EXPERIMENTS['corrections']})")
     return 0
 
 

@@ -259,9 +259,11 @@ class TrainConfig(Section):
 class ExperimentConfig(Section):
     """What the flow compares: every method trains on each seed's pool (spec 8.4), at
     every point of `grid` (pipeline/core/grid.py expands and validates the cells)."""
-    # which flow the preset's experiment is (ggpo report reads that flow's artifacts)
-    flow: Literal["offline", "online"] = "offline"
-    # method names, or names defined in `variants`
+    # which flow the preset's experiment is (ggpo report reads that flow's artifacts);
+    # corrections: the online cells and, per seed, every method on the fixed offline pool
+    flow: Literal["offline", "online", "corrections"] = "offline"
+    # method names, or names defined in `variants`; "all" is every registered method, plugins
+    # included (methods.names(), in the table's order), with any variants named beside it after
     methods: list[str] = ["grpo"]
     seeds: list[int] = [42]
     # stage builds at once (2 cells side by side: 1.06x one alone in threads, 1.21x in worker
@@ -285,6 +287,7 @@ class ExperimentConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":
         names = methods.names()
+        self.methods = expand_all(self.methods, names, self.variants)
         known = list(names) + [v for v in self.variants if v not in names]
         unknown = [m for m in self.methods if m not in known]
         if unknown:
@@ -300,6 +303,30 @@ class ExperimentConfig(Section):
             if not values or len(set(map(repr, values))) != len(values):
                 raise ValueError(f"experiment.grid['{field}']: give a non-empty list of distinct values, got {values}")
         return self
+
+
+ALL_METHODS = "all"      # experiment.methods entry: every registered method
+
+
+def expand_all(entries: list[str], names: tuple[str, ...], variants: dict[str, Any]) -> list[str]:
+    """experiment.methods with "all" replaced by every registered method (`names`), the
+    variants named beside it kept after them in their order. Refused where it is ambiguous:
+    a method or variant named "all", or a method named beside "all" (it is in it already:
+    which place does it take?)."""
+    if ALL_METHODS not in entries:
+        return entries
+    if ALL_METHODS in names or ALL_METHODS in variants:
+        raise ValueError(f"experiment.methods: '{ALL_METHODS}' is also the name of a "
+                         f"{'method' if ALL_METHODS in names else 'variant'}; name it otherwise")
+    if entries.count(ALL_METHODS) > 1:
+        raise ValueError(f"experiment.methods: '{ALL_METHODS}' given {entries.count(ALL_METHODS)} times; give it once")
+    beside = [m for m in entries if m != ALL_METHODS]
+    twice = [m for m in beside if m in names]
+    if twice:
+        raise ValueError(f"experiment.methods: {twice} named beside '{ALL_METHODS}', which holds "
+                         f"every registered method already ({', '.join(names)}); give '{ALL_METHODS}' and variant "
+                         f"names, or the methods one by one")
+    return list(names) + beside
 
 
 # what each flow stage sets itself

@@ -34,7 +34,9 @@ from pipeline.services import servers
 from pipeline.tasks import pool_source
 
 EXPERIMENT = "ggpo-offline"
-EXPERIMENTS = {"offline": EXPERIMENT, "online": "ggpo-online"}
+# the corrections flow (flows/corrections.py) runs online cells and offline trainings under
+# one parent run: in the online experiment, where its cells' nested runs are made
+EXPERIMENTS = {"offline": EXPERIMENT, "online": "ggpo-online", "corrections": "ggpo-online"}
 ONLINE_STAGES = ("online_pool", "online_train", "online_policy")
 POOL_STAGES = ("filter", "pool_import", "score")     # their train_pool.parquet is logged as a dataset input
 ARTIFACT_LIMIT = 64 * 1024 * 1024     # larger files are referenced by path and hash

@@ -1,0 +1,292 @@
+"""The corrections table (issue 35): every method on the staleness ladder and on the fixed pool.
+
+Inputs: the online experiment's evaluations and curves (online.py: one cell per method, N
+and seed) and the offline trainings' (offline.py: per seed every method on that seed's one
+pool, at the preset's own N: `offline_config`, the experiment without its grid). A
+*setting* is where a method ran: "N=4" (an online cell; other grid values follow, "N=4
+t_ref=fixed"), or "offline". Each method at each setting is one cell over seeds.
+
+- Final accuracy: per method and setting, mean ± sample std over seeds (each seed's value
+  where some but not all stalled: compare.cell_text) with its stalls k/n (online cells; an
+  offline run trains every update and never stalls).
+- Paired difference to GRPO+TIS (compare.paired_to_reference: `grpo_tis` where the
+  experiment has it, else its first method): at each setting, each method's final minus
+  the reference's, seed by seed (a seed's cells share its base model and the seeded prompt
+  order; offline also its pool), with the 95 % t-interval over seeds (n - 1 dof) and p.
+- Mismatch diagnostics (mismatch.py) per method and setting, each seed averaged over one
+  window common to every cell of its part (the last quarter of the shortest planned run),
+  then mean ± std over seeds; online also the round drift.
+
+`write` puts corrections.md, corrections.csv (one row per method and setting: final,
+difference to the reference, diagnostics, each with its spread) and corrections.png
+(final accuracy, the paired difference with its interval, and |log rho| against the
+setting) into a folder. `from_cache` reads what the corrections flow (flows/corrections.py)
+built; `ggpo report --preset corrections` prints `write`'s Markdown.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from pipeline.core import methods as method_table
+from pipeline.core.config import PipelineConfig
+from pipeline.core.store import write_file_atomic, write_text_atomic
+from pipeline.reports import compare, mismatch, offline, online, stats
+
+OFFLINE = "offline"        # the fixed pool's setting
+ONLINE_VALUES = mismatch.MISMATCH + ("round_drift", "round_drift_seq")
+
+
+def offline_config(cfg: PipelineConfig) -> PipelineConfig:
+    """The offline part of a corrections experiment: its methods and seeds on each seed's
+    pool at the preset's own geometry (the grid, the ladder's N, dropped)."""
+    return cfg.updated({"experiment.grid": {}})
+
+
+def online_setting(frame: pl.DataFrame) -> pl.Expr:
+    """An online row's setting: 'N=4', then its other grid values ('N=4 t_ref=fixed')."""
+    rest = pl.col("cell").str.slice(pl.col("method").str.len_chars()).str.strip_chars()
+    rest = rest.str.replace_all(r"(^| )(train\.)?updates_per_step=\S+", "").str.strip_chars()
+    head = pl.lit("N=") + pl.col("N").cast(pl.Utf8)
+    return pl.when(rest == "").then(head).otherwise(head + pl.lit(" ") + rest).alias("setting")
+
+
+def per_seed(online_evals: pl.DataFrame, offline_evals: pl.DataFrame) -> pl.DataFrame:
+    """compare.py's per_seed over both parts: method, setting, cell ('<method> <setting>'),
+    seed, value (final accuracy), update (its update), stopped (the cell stalled there)."""
+    cols = ["method", "setting", "cell", "seed", "value", "update", "stopped"]
+    parts = []
+    if online_evals.height:
+        on = online.seed_finals(online_evals)
+        parts.append(on.with_columns(online_setting(on)).with_columns(
+            cell=pl.col("method") + pl.lit(" ") + pl.col("setting")).select(cols))
+    if offline_evals.height:
+        off = offline.seed_finals(offline.summarize(offline_evals))
+        parts.append(off.with_columns(setting=pl.lit(OFFLINE), cell=pl.col("method") + pl.lit(f" {OFFLINE}"))
+                     .select(cols))
+    schema = {"method": pl.Utf8, "setting": pl.Utf8, "cell": pl.Utf8, "seed": pl.Int64, "value": pl.Float64,
+              "update": pl.Int64, "stopped": pl.Boolean}
+    return pl.concat([p.cast(schema) for p in parts]) if parts else pl.DataFrame(schema=schema)  # type: ignore[arg-type]
+
+
+def diagnostics(online_curves: pl.DataFrame, offline_curves: pl.DataFrame) -> pl.DataFrame:
+    """Per method and setting: mismatch.COLUMNS (and the round drift online) over each
+    part's common window, mean and `_std` over seeds, `seeds` (those that reached the
+    window's end), `stopped` / `stopped_at` and `window`."""
+    parts = []
+    if online_curves.height:
+        diag = online.diagnostics(online_curves)
+        parts.append(diag.with_columns(online_setting(diag)))
+    if offline_curves.height:
+        parts.append(offline.diagnostics(offline_curves).with_columns(setting=pl.lit(OFFLINE)))
+    keep = ["method", "setting", "seeds", "stopped", "stopped_at", "window"]
+    values = list(dict.fromkeys(mismatch.COLUMNS + ONLINE_VALUES))
+    frames = [mismatch.with_nulls(p, values + [f"{v}_std" for v in values])
+              .with_columns(pl.col("stopped_at").cast(pl.Utf8)) for p in parts]
+    return (pl.concat([f.select(keep + values + [f"{v}_std" for v in values]) for f in frames], how="vertical_relaxed")
+            if frames else pl.DataFrame())
+
+
+def title_of(method: str) -> str:
+    """The method's title in the table ("GRPO+TIS"); a variant's name as it is."""
+    try:
+        return method_table.get(method).title
+    except ValueError:
+        return method
+
+
+def finals_table(seeds: pl.DataFrame) -> pl.DataFrame:
+    """One row per method and setting: online.cell_stats (mean, std, seeds, update, low,
+    high, stalled, text)."""
+    return online.cell_stats(seeds, ["method", "setting"])
+
+
+def paired(seeds: pl.DataFrame) -> tuple[str, pl.DataFrame]:
+    """(the reference, compare.paired_to_reference rows: method, point = setting, diff, low,
+    high, n, p, seeds, stalls, stalls_other)."""
+    return compare.paired_to_reference(seeds) if seeds.height else (compare.REFERENCE, pl.DataFrame())
+
+
+def _pivot(rows: dict[tuple[str, str], str], methods: list[str], settings: list[str]) -> list[str]:
+    lines = ["| method | " + " | ".join(settings) + " |", "|" + "---|" * (len(settings) + 1)]
+    for m in methods:
+        lines.append(f"| {title_of(m)} (`{m}`) | " + " | ".join(rows.get((m, s), "") for s in settings) + " |")
+    return lines
+
+
+def markdown(seeds: pl.DataFrame, diag: pl.DataFrame, metric: str, base: float | None) -> str:
+    """The three tables: final accuracy with stalls, paired difference to the reference,
+    mismatch diagnostics."""
+    if not seeds.height:
+        return "Corrections table: no cell has a final evaluation yet.\n"
+    methods = seeds["method"].unique(maintain_order=True).to_list()
+    settings = seeds["setting"].unique(maintain_order=True).to_list()
+    settings = [s for s in settings if s != OFFLINE] + [s for s in settings if s == OFFLINE]
+    stats_rows = {(r["method"], r["setting"]): r for r in finals_table(seeds).iter_rows(named=True)}
+    acc = {k: f"{r['text']}; stalls {r['stalled']}/{r['seeds']}" if k[1] != OFFLINE else r["text"]
+           for k, r in stats_rows.items()}
+    base_text = f"base policy {100 * base:.2f}" if base is not None else "base policy not evaluated"
+    n_seeds = seeds["seed"].n_unique()
+    parts = ["\n".join([f"Final accuracy ({metric}, %; {base_text}; {n_seeds} seed(s)) per method on the staleness "
+                        "ladder (online, N updates per round) and on the fixed offline pool: mean ± sample std over "
+                        "seeds, or each seed's value where some but not all seeds stalled; stalls k/n: seeds whose "
+                        "cell stopped before its last update (online.on_stall / on_drift).", "",
+                        *_pivot(acc, methods, settings)]) + "\n"]
+    ref, pairs = paired(seeds)
+    if pairs.height:
+        cells = {}
+        for r in pairs.iter_rows(named=True):
+            p = f"; p {stats.p_text(r['p'])}" if r["p"] is not None else ""
+            n = f"; n={r['n']}" if r["n"] != n_seeds else ""
+            cells[(r["method"], r["point"])] = compare.difference_text(r, 100.0) + p + n
+        parts.append("\n".join([f"Paired difference to {title_of(ref)} (`{ref}`) in final accuracy (percentage "
+                                "points): each method minus it at the same setting, seed by seed (a seed's cells share "
+                                "its base model and the seeded prompt order, offline also its pool); mean difference "
+                                "[95% t-interval, n - 1 dof] and the two-sided p of no difference; n where fewer "
+                                "seeds than the experiment's are in both cells. A stalled seed counts with its final "
+                                "at the stop (stalls above).", "",
+                                *_pivot(cells, [m for m in methods if m != ref], settings)]) + "\n")
+    if diag.height:
+        ordered = diag.sort(pl.col("method").replace_strict({m: i for i, m in enumerate(methods)}, default=len(methods)),
+                            pl.col("setting").replace_strict({s: i for i, s in enumerate(settings)},
+                                                             default=len(settings)), maintain_order=True)
+        parts.append(mismatch.markdown(ordered, ["method", "setting"], ONLINE_VALUES,
+                                       mismatch.title(online=True) + WINDOW_NOTE, offline.seeds_text))
+    return "\n".join(parts)
+
+
+WINDOW_NOTE = (" Online cells over the last quarter of the shortest planned run, a seed that stopped before it left "
+               "out and named; offline runs over the last quarter of theirs (max_abs_log_ratio and the round drift "
+               "exist online only).")
+
+
+def table(seeds: pl.DataFrame, diag: pl.DataFrame) -> pl.DataFrame:
+    """corrections.csv: one row per method and setting: title, final (mean, std, low, high,
+    seeds, stalled), the paired difference to the reference (diff, diff_low, diff_high,
+    diff_n, p, reference) and the diagnostics with their `_std`."""
+    if not seeds.height:
+        return pl.DataFrame()
+    finals = finals_table(seeds).rename({"text": "final_text", "update": "final_update"})
+    ref, pairs = paired(seeds)
+    out = finals.with_columns(title=pl.col("method").map_elements(title_of, return_dtype=pl.Utf8),
+                              reference=pl.lit(ref))
+    if pairs.height:
+        pairs = pairs.select("method", pl.col("point").alias("setting"), pl.col("diff"), pl.col("low").alias("diff_low"),
+                             pl.col("high").alias("diff_high"), pl.col("n").alias("diff_n"), "p")
+        out = out.join(pairs, on=["method", "setting"], how="left", maintain_order="left")
+    if diag.height:
+        out = out.join(diag.drop("seeds").rename({"stopped": "diag_stopped", "stopped_at": "diag_stopped_at",
+                                                  "window": "diag_window"}),
+                       on=["method", "setting"], how="left", maintain_order="left")
+    return out
+
+
+def figure(csv: pl.DataFrame, path: Path) -> None:
+    """Final accuracy, the paired difference with its interval, and |log rho| against the
+    setting, one line per method."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    settings = csv["setting"].unique(maintain_order=True).to_list()
+    settings = [s for s in settings if s != OFFLINE] + [s for s in settings if s == OFFLINE]
+    x = {s: i for i, s in enumerate(settings)}
+    panels = [("mean", None, "final accuracy"), ("diff", ("diff_low", "diff_high"), "difference to the reference"),
+              ("abs_log_ratio", None, "|log rho| against behavior (token mean)")]
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
+    colors = plt.get_cmap("tab20")
+    for i, method in enumerate(csv["method"].unique(maintain_order=True).to_list()):
+        rows = sorted(csv.filter(pl.col("method") == method).iter_rows(named=True), key=lambda r: x[r["setting"]])
+        for ax, (col, band, _) in zip(axes, panels):
+            pts = [(x[r["setting"]], r[col], r.get(band[0]) if band else None, r.get(band[1]) if band else None)
+                   for r in rows if r.get(col) is not None and not math.isnan(r[col])]
+            if not pts:
+                continue
+            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+            ax.plot(xs, ys, marker="o", color=colors(i % 20), label=title_of(method))
+            err = [(y - lo, hi - y) for (_, y, lo, hi) in pts if lo is not None and hi is not None]
+            if band and len(err) == len(pts):
+                ax.errorbar(xs, ys, yerr=list(zip(*err)), fmt="none", color=colors(i % 20), capsize=2)
+    for ax, (_, _, name) in zip(axes, panels):
+        ax.set(xticks=range(len(settings)), xticklabels=settings, xlabel="setting", title=name)
+    axes[1].axhline(0.0, color="grey", linewidth=0.8)
+    axes[0].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    write_file_atomic(path, lambda tmp: fig.savefig(tmp, dpi=90))
+    plt.close(fig)
+
+
+def base_accuracy(online_evals: pl.DataFrame, offline_evals: pl.DataFrame) -> float | None:
+    """Mean accuracy of the base policy (update 0) over the seeds that have it."""
+    frames = [f.filter(pl.col("update") == 0).select("seed", "accuracy") for f in (online_evals, offline_evals)
+              if f.height]
+    base = pl.concat(frames).unique("seed") if frames else pl.DataFrame()
+    return float(base["accuracy"].mean()) if base.height else None  # type: ignore[arg-type]
+
+
+def write(online_evals: pl.DataFrame, online_curves: pl.DataFrame, offline_evals: pl.DataFrame,
+          offline_curves: pl.DataFrame, folder: Path, metric: str) -> tuple[str, list[Path], pl.DataFrame]:
+    """corrections.md, corrections.csv and corrections.png into `folder`: (the Markdown,
+    the paths (no figure while no cell has a final), the CSV's frame)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    seeds = per_seed(online_evals, offline_evals)
+    diag = diagnostics(online_curves, offline_curves)
+    text = markdown(seeds, diag, metric, base_accuracy(online_evals, offline_evals))
+    csv = table(seeds, diag)
+    paths = [folder / "corrections.md", folder / "corrections.csv"]
+    write_text_atomic(paths[0], text)
+    write_file_atomic(paths[1], csv.write_csv)
+    if csv.height:
+        figure(csv, folder / "corrections.png")
+        paths.append(folder / "corrections.png")
+    return text, paths, csv
+
+
+def from_cache(cfg: PipelineConfig, store) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, pl.DataFrame,
+                                                    list[tuple[str, float | None]]]:
+    """(online evals, online curves, offline evals, offline curves, stage timings) of the
+    corrections experiment `cfg`, read from the store by the keys both parts build."""
+    on_evals, on_curves, on_timings = online.from_cache(cfg, store)
+    off_evals, off_curves, off_timings = offline.from_cache(offline_config(cfg), store)
+    # the base model is one stage of both parts: timed once
+    return on_evals, on_curves, off_evals, off_curves, on_timings + [t for t in off_timings if t[0] != "base"]
+
+
+def summary_metrics(csv: pl.DataFrame, metric: str) -> dict[str, Any]:
+    """The parent run's metrics: per method and setting the final accuracy, the paired
+    difference to the reference and the mismatch means (window, over seeds)."""
+    from pipeline.core.grid import slug
+    out: dict[str, Any] = {}
+    key = f"final_{metric.replace('@', '_at_')}"
+    for r in csv.iter_rows(named=True):
+        name = slug(f"{r['method']} {r['setting']}")
+        values = {key: r["mean"], "diff_to_reference": r.get("diff")} | {
+            f"mismatch/{c}": r.get(c) for c in ONLINE_VALUES + mismatch.RULES}
+        out |= {f"{k}/{name}": v for k, v in values.items()
+                if isinstance(v, (int, float)) and not (isinstance(v, float) and math.isnan(v))}
+    return out
+
+
+def log(client, parent: str, online_evals: pl.DataFrame, online_curves: pl.DataFrame, offline_evals: pl.DataFrame,
+        offline_curves: pl.DataFrame, cfg: PipelineConfig, folder: Path) -> dict:
+    """The corrections report into `folder` (corrections.*; the online part's full report in
+    online/, the offline part's in offline/) and the MLflow parent run's report/, with
+    summary_metrics on that run; {table, summary}."""
+    from pipeline.services import tracking
+    metric = f"mean@{cfg.eval.n_samples}"
+    text, paths, csv = write(online_evals, online_curves, offline_evals, offline_curves, folder, metric)
+    logged = [(p, "report") for p in paths]
+    if online_evals.height and online_curves.height:
+        (folder / "online").mkdir(exist_ok=True)
+        _, more = online.write(online.in_cell_order(online_evals), online_curves, folder / "online", metric)
+        logged += [(p, "report/online") for p in more]
+    if offline_evals.height and offline_curves.height:
+        more_paths = offline.write(offline_evals, offline_curves, folder / "offline", metric)
+        logged += [(p, "report/offline") for p in more_paths.values()]
+    for path, where in logged:
+        client.log_artifact(parent, str(path), artifact_path=where)
+    summary = summary_metrics(csv, metric)
+    tracking.log_params_metrics(client, parent, {}, tracking.summary_metrics(summary))
+    return {"table": text, "summary": summary}

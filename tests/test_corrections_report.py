@@ -1,0 +1,208 @@
+"""The corrections table (pipeline/reports/corrections.py) from real inputs: grid cells of the
+`corrections` preset, each online round's metrics a Parquet file of the ONLINE_METRICS
+schema read through online.cell_curves, each offline training's a TRAIN_METRICS file read
+through offline.training_curves, evaluations through online.record and the offline flow's
+record form. Checked against float64 sums written out here: the finals, the paired
+difference to GRPO+TIS with its t-interval, stalls k/n, the mismatch diagnostics and the
+share each rule clipped or masked; records from before the new columns report them as
+blank / null. Each test costs well under a second of its own (polars and one matplotlib
+figure), plus the torch import of tests/tolerance.py once."""
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow.parquet as pq
+import torch
+
+from pipeline.core import grid
+from pipeline.core.config import load_config
+from pipeline.core.schemas import ONLINE_METRICS, TRAIN_METRICS, typed_table
+from pipeline.core.store import FileEntry, Manifest
+from pipeline.reports import corrections, mismatch, offline, online
+
+from tolerance import rounding_tol
+
+SEEDS = (42, 1234, 2027)
+T2 = 4.302652729749462      # t_{0.975, 2 dof} (tests/test_stats.py checks it against a table)
+UPDATES = 8
+# (method, setting) -> {seed: final accuracy}; cispo N=4 seed 1234 stalls at update 4
+FINALS = {
+    ("grpo_tis", "N=1"): {42: 0.20, 1234: 0.14, 2027: 0.18}, ("grpo_tis", "N=4"): {42: 0.15, 1234: 0.10, 2027: 0.12},
+    ("cispo", "N=1"): {42: 0.22, 1234: 0.15, 2027: 0.21}, ("cispo", "N=4"): {42: 0.13, 1234: 0.01, 2027: 0.14},
+    ("icepop", "N=1"): {42: 0.19, 1234: 0.16, 2027: 0.17}, ("icepop", "N=4"): {42: 0.16, 1234: 0.12, 2027: 0.10},
+    ("grpo_tis", "offline"): {42: 0.11, 1234: 0.13, 2027: 0.12}, ("cispo", "offline"): {42: 0.10, 1234: 0.15, 2027: 0.09},
+    ("icepop", "offline"): {42: 0.12, 1234: 0.12, 2027: 0.14},
+}
+STOP = {("cispo", 4, 1234): 4}
+RULE = {"grpo_tis": "trunc_frac", "cispo": "clip_frac", "icepop": "mask_frac"}     # the share each one reports
+
+
+def manifest(stage: str, folder: Path, files: dict | None = None, summary: dict | None = None) -> Manifest:
+    return Manifest(stage=stage, key=hashlib.sha256(str(folder).encode()).hexdigest(), version=1, folder=str(folder),
+                    config={}, inputs={}, files=files or {}, summary=summary or {}, created_at="", seconds=0.0)
+
+
+def metric(method: str, seed: int, u: int, col: str) -> float:
+    """A distinct value per method, seed, update and column (what the rows hold)."""
+    return (1 + list(RULE).index(method)) * 1e-2 + seed * 1e-6 + u * 1e-3 + mismatch.COLUMNS.index(col) * 1e-4
+
+
+def metrics_file(folder: Path, method: str, seed: int, updates: list[int], schema, extra: dict, old: bool) -> Manifest:
+    """One metrics Parquet file (a round's, or an offline run's) with the new columns, or
+    as a record from before them (`old`: no chi-square, no rule shares, no max |log rho|)."""
+    folder.mkdir(parents=True)
+    rows: dict[str, list] = {f.name: [None] * len(updates) for f in schema}
+    rows |= {"update": updates, **extra} | {c: [metric(method, seed, u, c) for u in updates] for c in
+                                             ("abs_log_ratio", "k3_mismatch", "chi2_token", "chi2_seq",
+                                              "max_abs_log_ratio", RULE[method]) if c in rows}
+    rows["ess"] = [metric(method, seed, u, "ess") if u % 4 == 0 else None for u in updates]
+    table = typed_table(rows, schema)
+    if old:
+        table = table.drop_columns(["chi2_token", "chi2_seq", "max_abs_log_ratio", *mismatch.RULES[2:]]
+                                   if "max_abs_log_ratio" in table.column_names
+                                   else ["chi2_token", "chi2_seq", *mismatch.RULES[2:]])
+    pq.write_table(table, folder / "metrics.parquet")
+    return manifest("train", folder, {"metrics": FileEntry(path="metrics.parquet", bytes=0, sha256="")})
+
+
+def corrections_cache(tmp: Path, old: bool = False, methods=("grpo_tis", "cispo", "icepop")):
+    """The two parts' evaluations and curves as the corrections flow collects them: real
+    cells of the corrections preset (N in {1, 4}, 8 updates, three seeds)."""
+    cfg = load_config("corrections", {"experiment.methods": list(methods), "train.updates": UPDATES,
+                                      "experiment.grid": {"train.updates_per_step": [1, 4]}})
+    records, curves = [], []
+    for cell in grid.cells(cfg):
+        n = cell.config.train.updates_per_step
+        stop = STOP.get((cell.method, n, cell.seed), UPDATES)
+        rounds = [metrics_file(tmp / f"{cell.slug}-{cell.seed}-{r}", cell.method, cell.seed,
+                               list(range(r * n + 1, (r + 1) * n + 1)), ONLINE_METRICS,
+                               {"round": [r] * n, "round_drift": [None] * (n - 1) + [0.01 * (r + 1)]}, old)
+                  for r in range(stop // n)]
+        curves.append(online.cell_curves(cell, cfg, rounds))
+        final = FINALS.get((cell.method, f"N={n}"), {}).get(cell.seed, 0.1)
+        records += [online.record(cell, cfg, u, manifest("evaluate", tmp / "e", summary={"mean_at_8": a}))
+                    for u, a in ((0, 0.07), (stop, final))]
+    off_records, off_curves = [], []
+    for cell in grid.cells(corrections.offline_config(cfg)):
+        trained = metrics_file(tmp / f"off-{cell.slug}-{cell.seed}", cell.method, cell.seed,
+                               list(range(1, UPDATES + 1)), TRAIN_METRICS, {}, old)
+        off_curves.append(offline.training_curves(trained, cell.method, cell.seed))
+        off_records += [{"method": cell.method, "seed": cell.seed, "update": u, "accuracy": a}
+                        for u, a in ((0, 0.07), (UPDATES, FINALS.get((cell.method, "offline"), {}).get(cell.seed, 0.1)))]
+    return (pl.DataFrame(records), pl.concat(curves, how="diagonal_relaxed"), pl.DataFrame(off_records),
+            pl.concat(off_curves))
+
+
+def interval(a: dict[int, float], b: dict[int, float]) -> tuple[float, float, float]:
+    """fp64 paired difference (percentage points) of a minus b by seed: mean, low, high."""
+    d = [100 * (a[s] - b[s]) for s in SEEDS]
+    mean = math.fsum(d) / 3
+    half = T2 * math.sqrt(math.fsum((x - mean) ** 2 for x in d) / 2) / math.sqrt(3)
+    return mean, mean - half, mean + half
+
+
+def close(got: float, want: float) -> bool:
+    return abs(got - want) <= rounding_tol(torch.float64, max(abs(want), 1.0), 8)
+
+
+def test_the_table_holds_finals_paired_intervals_stalls_and_diagnostics(tmp_path):
+    on_evals, on_curves, off_evals, off_curves = corrections_cache(tmp_path / "cache")
+    text, paths, csv = corrections.write(on_evals, on_curves, off_evals, off_curves, tmp_path / "report", "mean@8")
+    assert [p.name for p in paths] == ["corrections.md", "corrections.csv", "corrections.png"]
+    assert paths[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "report" / "corrections.md").read_text() == text
+    # final accuracy: one row per method, one column per setting (the ladder, then offline), stalls k/n online
+    assert "| method | N=1 | N=4 | offline |" in text
+    assert "| GRPO+TIS (`grpo_tis`) | 17.33 ± 3.06; stalls 0/3 | 12.33 ± 2.52; stalls 0/3 | 12.00 ± 1.00 |" in text
+    assert "| CISPO (`cispo`) | 19.33 ± 3.79; stalls 0/3 | 42: 13.00, 1234: 1.00 (stopped at 4), 2027: 14.00; stalls 1/3 |" \
+        in text
+    # each method minus GRPO+TIS at each setting, paired by seed, with its t-interval (2 dof)
+    for method in ("cispo", "icepop"):
+        for setting in ("N=1", "N=4", "offline"):
+            mean, low, high = interval(FINALS[(method, setting)], FINALS[("grpo_tis", setting)])
+            row = csv.filter((pl.col("method") == method) & (pl.col("setting") == setting)).row(0, named=True)
+            assert close(100 * row["diff"], mean) and close(100 * row["diff_low"], low) and close(100 * row["diff_high"], high)
+            assert row["diff_n"] == 3 and row["reference"] == "grpo_tis"
+    mean, low, high = interval(FINALS[("cispo", "N=4")], FINALS[("grpo_tis", "N=4")])
+    assert f"{mean:+.2f} [{low:+.2f}, {high:+.2f}]" in text.split("Paired difference")[1]
+    assert csv.filter(pl.col("method") == "grpo_tis")["diff"].null_count() == 3        # the reference itself
+    stall = csv.filter((pl.col("method") == "cispo") & (pl.col("setting") == "N=4")).row(0, named=True)
+    assert (stall["stalled"], stall["seeds"]) == (1, 3)
+    # diagnostics over updates 7-8 (the window), mean over the seeds that reached it
+    row = csv.filter((pl.col("method") == "icepop") & (pl.col("setting") == "N=1")).row(0, named=True)
+    for col in ("abs_log_ratio", "k3_mismatch", "chi2_token", "chi2_seq", "mask_frac"):
+        want = math.fsum(metric("icepop", s, u, col) for s in SEEDS for u in (7, 8)) / 6
+        assert close(row[col], want), col
+    assert close(row["max_abs_log_ratio"], math.fsum(metric("icepop", s, u, "max_abs_log_ratio")
+                                                     for s in SEEDS for u in (7, 8)) / 6)
+    assert close(row["ess"], math.fsum(metric("icepop", s, 8, "ess") for s in SEEDS) / 3)
+    assert row["clip_frac"] is None and row["trunc_frac"] is None          # icepop's rule masks
+    off = csv.filter((pl.col("method") == "cispo") & (pl.col("setting") == "offline")).row(0, named=True)
+    assert close(off["clip_frac"], math.fsum(metric("cispo", s, u, "clip_frac") for s in SEEDS for u in (7, 8)) / 6)
+    assert off["max_abs_log_ratio"] is None and off["round_drift"] is None          # online only
+    stalled = csv.filter((pl.col("method") == "cispo") & (pl.col("setting") == "N=4")).row(0, named=True)
+    assert (stalled["diag_stopped"], stalled["diag_stopped_at"]) == (1, "4")
+    assert "| cispo | N=4 | 2 of 3; 1 stopped at 4 | " in text and "| icepop | N=1 | 3 | " in text
+    assert "mask_frac " in text and "clip_frac " in text
+
+
+def test_records_from_before_the_new_columns_report_them_as_null(tmp_path):
+    """Rounds and offline runs written before chi-square, the rule shares and max |log rho|
+    existed: the tables print them blank, the CSVs hold nulls, drift.csv too; a cell whose
+    rounds mix old and new records reads both."""
+    on_evals, on_curves, off_evals, off_curves = corrections_cache(tmp_path / "cache", old=True)
+    assert "chi2_token" not in pl.read_parquet(tmp_path / "cache" / "off-cispo-42" / "metrics.parquet").columns
+    text, _, csv = corrections.write(on_evals, on_curves, off_evals, off_curves, tmp_path / "report", "mean@8")
+    assert csv["chi2_token"].null_count() == csv.height and csv["mask_frac"].null_count() == csv.height
+    assert csv["abs_log_ratio"].null_count() == 0 and csv["clip_frac"].null_count() < csv.height   # old columns stay
+    (tmp_path / "online").mkdir()
+    online.write(online.in_cell_order(on_evals), on_curves, tmp_path / "online", "mean@8")
+    drift = pl.read_csv(tmp_path / "online" / "drift.csv")
+    assert drift["chi2_seq"].null_count() == drift.height and drift["round_drift"].null_count() == 0
+    paths = offline.write(off_evals, off_curves, tmp_path / "offline", "mean@8")
+    assert pl.read_csv(paths["diagnostics"])["chi2_token"].null_count() == 3
+    # one cell with an old round and a new one
+    new = metrics_file(tmp_path / "new", "cispo", 42, [3, 4], ONLINE_METRICS, {"round": [1, 1]}, old=False)
+    old = metrics_file(tmp_path / "old", "cispo", 42, [1, 2], ONLINE_METRICS, {"round": [0, 0]}, old=True)
+    cfg = load_config("corrections", {"experiment.methods": ["cispo"], "train.updates": 4,
+                                      "experiment.grid": {"train.updates_per_step": [2]}})
+    both = online.cell_curves(grid.cells(cfg)[0], cfg, [old, new])
+    assert both["chi2_token"].to_list()[:2] == [None, None] and both["chi2_token"].null_count() == 2
+
+
+def test_the_report_says_so_before_any_final(tmp_path):
+    empty = pl.DataFrame()
+    text, paths, csv = corrections.write(empty, empty, empty, empty, tmp_path, "mean@8")
+    assert "no cell has a final evaluation yet" in text and [p.name for p in paths] == ["corrections.md", "corrections.csv"]
+
+
+def test_the_preset_runs_every_registered_method_on_the_ladder_three_seeds_and_the_pool():
+    """corrections: 'all' is every method of the table (15 built in, 4 x 3 seeds each
+    online: 180 cells; 45 offline trainings on the seeds' pools), and its sections are
+    tiny-regime's, so the four original methods' cells have the testbed's keys."""
+    from pipeline.core import methods
+    from pipeline.dag import graph
+    cfg = load_config("corrections")
+    assert cfg.experiment.methods == list(methods.names()) and cfg.experiment.flow == "corrections"
+    assert cfg.experiment.seeds == list(SEEDS) and cfg.experiment.grid == {"train.updates_per_step": [1, 4, 16, 64]}
+    assert len(grid.cells(cfg)) == len(methods.names()) * 4 * 3
+    assert len(grid.cells(corrections.offline_config(cfg))) == len(methods.names()) * 3
+    assert cfg.model_dump(exclude={"experiment"}) == load_config("tiny-regime").model_dump(exclude={"experiment"})
+    ladder = grid.cells(load_config("tiny-regime", {"experiment.grid": {"train.updates_per_step": [1, 4, 16, 64]},
+                                                    "experiment.seeds": list(SEEDS)}))
+    ours = {(c.seed, c.label): c.config for c in grid.cells(cfg)}
+    for cell in ladder:        # the testbed's cells are ours: the same stage keys (one round's, for time)
+        assert graph.online_keys(ours[(cell.seed, cell.label)], 0) == graph.online_keys(cell.config, 0)
+
+
+def test_the_parent_runs_metrics_name_method_and_setting(tmp_path):
+    on_evals, on_curves, off_evals, off_curves = corrections_cache(tmp_path / "cache", methods=("grpo_tis", "cispo"))
+    _, _, csv = corrections.write(on_evals, on_curves, off_evals, off_curves, tmp_path / "report", "mean@8")
+    summary: dict[str, Any] = corrections.summary_metrics(csv, "mean@8")
+    assert close(summary["final_mean_at_8/cispo-offline"], math.fsum(FINALS[("cispo", "offline")].values()) / 3)
+    assert "diff_to_reference/cispo-N:4" in summary and "diff_to_reference/grpo_tis-N:4" not in summary
+    assert "mismatch/chi2_token/cispo-N:1" in summary and "mismatch/clip_frac/cispo-N:1" in summary
