@@ -36,10 +36,7 @@ wall-clock on a machine that runs two flows at once: a safety net, never a verdi
 from __future__ import annotations
 
 import argparse
-import builtins
-import errno
 import hashlib
-import io
 import json
 import os
 import platform
@@ -55,6 +52,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
+
+from pipeline.core import full_disk
 
 REPO = Path(__file__).resolve().parents[1]
 GGPO = [sys.executable, "-m", "pipeline.cli"]      # this checkout's code, whatever `ggpo` is installed
@@ -286,102 +285,35 @@ def stray_temporaries(cache: Path) -> list[str]:
 
 # ---------------------------------------------------------------- disks that fill
 
-class Tmpfs:
-    """A size-limited tmpfs at `root` that really fills (root may mount; else `available`
-    is False and why says so)."""
+class Tmpfs(full_disk.Tmpfs):
+    """A size-limited tmpfs at `root` that really fills (pipeline/core/full_disk.py; where
+    root may not mount, `available` is False and `why` says so); the run writes to it as is."""
 
     def __init__(self, root: Path, size: int = 128 * MiB):
-        root.mkdir(parents=True, exist_ok=True)
-        self.root, self.filler, self.argv_prefix = root, root / "filler", GGPO
-        try:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(root)],
-                                  capture_output=True, text=True, timeout=60)
-            self.why = (done.stderr.strip() or f"exit {done.returncode}") if done.returncode else ""
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            self.why = str(exc)
-        self.available = not self.why
-
-    def fill(self) -> None:
-        """Every free byte taken (the run writes meanwhile: write until ENOSPC)."""
-        chunk = bytes(MiB)
-        with open(self.filler, "wb", buffering=0) as f:
-            try:
-                while True:
-                    f.write(chunk)
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-            for size in (64 * 1024, 4096, 1):
-                try:
-                    while True:
-                        f.write(chunk[:size])
-                except OSError as exc:
-                    if exc.errno != errno.ENOSPC:
-                        raise
-
-    def free(self) -> None:
-        self.filler.unlink()
-
-    def close(self) -> None:
-        subprocess.run(["umount", "-l", str(self.root)], check=False, capture_output=True)
+        super().__init__(root, size)
+        self.argv_prefix, self.available = GGPO, not self.why
 
 
-class InjectedDisk:
+class InjectedDisk(full_disk.InjectedDisk):
     """Where no tmpfs can be mounted: the run starts through inject_enospc, so its Python
-    file writes under `root` raise ENOSPC while the file `full` exists. Writes from native
-    code (pyarrow, safetensors) do not see it; the next checkpoint, manifest or report does."""
+    file writes under `root` raise ENOSPC while the file `flag` exists (pipeline/core/full_disk.py,
+    the disk tests/test_disk_full.py injects too). Writes from native code (pyarrow,
+    safetensors) do not see it; the next checkpoint, manifest or report does."""
 
     def __init__(self, root: Path):
         root.mkdir(parents=True, exist_ok=True)
-        self.root, self.flag, self.available, self.why = root, root.parent / "disk-is-full", True, ""
+        super().__init__(root, root.parent / "disk-is-full")
+        self.available, self.why = True, ""
         boot = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import fault_matrix; "
                 "fault_matrix.inject_enospc(sys.argv[1], sys.argv[2]); from pipeline.cli import main; "
                 "sys.exit(main(sys.argv[3:]))")
         self.argv_prefix = [sys.executable, "-c", boot, str(root), str(self.flag)]
 
-    def fill(self) -> None:
-        self.flag.touch()
-
-    def free(self) -> None:
-        self.flag.unlink()
-
-    def close(self) -> None:
-        pass
-
 
 def inject_enospc(root: str, flag: str) -> None:
     """In a run started by InjectedDisk: files opened for writing under `root` raise
-    OSError(ENOSPC) on write while `flag` exists (test_disk_full's injected disk, in a child)."""
-    real_open, top = io.open, Path(root).resolve()
-
-    class Full:
-        def __init__(self, f):
-            self._f = f
-
-        def write(self, data):
-            if os.path.exists(flag):
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._f.name)
-            return self._f.write(data)
-
-        def __getattr__(self, name):
-            return getattr(self._f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc) -> None:
-            self._f.close()
-
-        def __iter__(self):
-            return iter(self._f)
-
-    def fake_open(file, mode="r", *args, **kwargs):
-        f = real_open(file, mode, *args, **kwargs)
-        where = os.readlink(f"/proc/self/fd/{file}") if isinstance(file, int) else file
-        inside = isinstance(where, (str, os.PathLike)) and Path(where).resolve().is_relative_to(top)
-        return Full(f) if inside and any(c in mode for c in "wax+") else f
-    builtins.open = io.open = os.fdopen = fake_open     # type: ignore[assignment]
-    shutil._USE_CP_SENDFILE = False     # type: ignore[attr-defined]   # copies write through Python files
+    OSError(ENOSPC) on write while `flag` exists."""
+    full_disk.InjectedDisk(root, flag).install()
 
 
 # ---------------------------------------------------------------- the cells

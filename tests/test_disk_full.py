@@ -9,106 +9,41 @@ resumes from it.
 Each test runs twice: on a filesystem that really fills (a size-limited tmpfs; skipped
 where mounting is not permitted, e.g. CI without privileges) and with the full disk
 injected (Python's `open` hands out files whose writes raise OSError(ENOSPC) once a byte
-budget is spent), which runs anywhere.
+budget is spent), which runs anywhere. Both disks are pipeline/core/full_disk.py's, which
+the fault matrix (benchmarks/fault_matrix.py) and the torchrun test use too.
 """
 from __future__ import annotations
 
-import builtins
 import errno
-import io
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from pipeline.core import full_disk
 from pipeline.core.errors import DiskFull
-
-MiB = 1 << 20
-
-
-class RealDisk:
-    """A tmpfs of `size` bytes at `root`; fill() leaves `room` bytes free with a filler file,
-    free() deletes it."""
-
-    def __init__(self, root: Path, size: int = 64 * MiB):
-        root.mkdir(parents=True)
-        try:
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(root)],
-                                  capture_output=True, text=True, timeout=60)
-            why = done.stderr.strip() or f"exit {done.returncode}" if done.returncode else None
-        except (OSError, subprocess.TimeoutExpired) as exc:     # no mount(8) at all
-            why = str(exc)
-        if why:
-            pytest.skip(f"cannot mount a tmpfs here ({why}): the injected variant covers this test")
-        self.root, self.filler = root, root / "filler"
-
-    def fill(self, room: int) -> None:
-        free = os.statvfs(self.root)
-        with open(self.filler, "wb") as f:
-            f.write(bytes(free.f_bavail * free.f_frsize - room))
-
-    def free(self) -> None:
-        self.filler.unlink()
-
-    def close(self) -> None:
-        subprocess.run(["umount", "-l", str(self.root)], check=False)
+from pipeline.core.full_disk import MiB, Tmpfs
 
 
-class _FullFile:
-    """A file under the injected disk: writes spend the disk's budget, then raise ENOSPC."""
-
-    def __init__(self, disk: "InjectedDisk", f):
-        self._disk, self._f = disk, f
-
-    def write(self, data) -> int:
-        n = len(memoryview(data).cast("B")) if not isinstance(data, str) else len(data.encode())
-        if self._disk.budget is not None:
-            if n > self._disk.budget:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self._f.name)
-            self._disk.budget -= n
-        return self._f.write(data)
-
-    def __getattr__(self, name):
-        return getattr(self._f, name)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._f.close()
+def RealDisk(root: Path, size: int = 64 * MiB) -> Tmpfs:
+    """A tmpfs of `size` bytes at `root` (pipeline/core/full_disk.py); the test is skipped
+    where it cannot be mounted."""
+    disk = Tmpfs(root, size)
+    if disk.why:
+        pytest.skip(f"cannot mount a tmpfs here ({disk.why}): the injected variant covers this test")
+    return disk
 
 
-class InjectedDisk:
-    """Files opened for writing under `root` get a budget of bytes (None: unlimited)."""
-
-    def __init__(self, root: Path, monkeypatch):
-        root.mkdir(parents=True)
-        self.root, self.budget = root, None
-        real = io.open
-
-        def fake_open(file, mode="r", *args, **kwargs):
-            f = real(file, mode, *args, **kwargs)
-            # a descriptor (os.fdopen: MLflow's staged artifacts) is named by /proc
-            where = os.readlink(f"/proc/self/fd/{file}") if isinstance(file, int) else file
-            inside = isinstance(where, (str, os.PathLike)) and Path(where).resolve().is_relative_to(self.root)
-            return _FullFile(self, f) if inside and any(c in mode for c in "wax+") else f
-        monkeypatch.setattr(builtins, "open", fake_open)
-        monkeypatch.setattr(io, "open", fake_open)
-        monkeypatch.setattr(os, "fdopen", fake_open)
-        monkeypatch.setattr(shutil, "_USE_CP_SENDFILE", False)     # copies write through the file, not sendfile
-
-    def fill(self, room: int) -> None:
-        self.budget = room
-
-    def free(self) -> None:
-        self.budget = None
-
-    def close(self) -> None:
-        pass
+def InjectedDisk(root: Path, monkeypatch) -> full_disk.InjectedDisk:
+    """Files opened for writing under `root` by this process get a budget of bytes
+    (pipeline/core/full_disk.py); undone with the test's monkeypatch."""
+    root.mkdir(parents=True)
+    disk = full_disk.InjectedDisk(root)
+    disk.install(monkeypatch.setattr)
+    return disk
 
 
 @pytest.fixture(params=["tmpfs", "injected"])
