@@ -140,3 +140,73 @@ def test_only_rank_0_keeps_the_gathered_weights_of_a_sync(tmp_path, base_manifes
     assert ranks[0] == {"kept": len(whole), "fsdp": True} and ranks[1] == {"kept": 0, "fsdp": True}
     got = load_file(tmp_path / "rank0.safetensors")
     assert set(got) == set(whole) and all(torch.equal(got[n], p.detach()) for n, p in whole.items())
+
+
+FULL_DISK_RANK = '''
+"""A rank of train's torchrun (pipeline.training.torchrun) whose disk fills right after the
+checkpoint of update GGPO_TEST_FULL_DISK["after"]: rank 0 fills it (a tmpfs's filler, or
+the injected disk's flag, which every rank's Python writes under "root" then see)."""
+import json, os, sys
+from pipeline.core.full_disk import InjectedDisk, Tmpfs
+from pipeline.training import checkpoint, torchrun
+spec = json.loads(os.environ["GGPO_TEST_FULL_DISK"])
+if spec["flag"]:
+    disk = InjectedDisk(spec["root"], spec["flag"])
+    disk.install()
+else:
+    disk = Tmpfs(spec["root"], mount=False)    # the test mounted it
+save = checkpoint.save
+
+def save_then_fill(folder, **kwargs):
+    save(folder, **kwargs)
+    if kwargs["update"] == spec["after"] and os.environ["RANK"] == "0":
+        disk.fill(4096)
+checkpoint.save = save_then_fill
+torchrun.main(sys.argv[1:])
+'''
+
+
+def test_ranks_on_a_disk_that_fills_keep_the_last_checkpoint_and_resume(tmp_path, monkeypatch, runs,
+                                                                          base_manifest, pool):
+    """Two gloo ranks whose cache's disk fills right after the DCP checkpoint of update 2 (a
+    tmpfs where one mounts, else ENOSPC injected into every rank's Python writes): the one
+    after update 3 fails. The stage fails with one line saying the disk is full, no manifest,
+    nothing half-written; the DCP checkpoint of update 2 is the latest. Space freed, the same
+    call resumes after update 2 to the uninterrupted two-rank run's metrics and weights."""
+    import json
+    import os
+
+    from pipeline.core.errors import DiskFull
+    from pipeline.core.full_disk import Tmpfs
+    from pipeline.training import torchrun
+
+    from conftest import REPO
+    root = tmp_path / "fs"
+    disk = Tmpfs(root)
+    flag = None if not disk.why else tmp_path / "disk-is-full"
+    try:
+        (tmp_path / "full_disk_rank.py").write_text(FULL_DISK_RANK)
+        monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{REPO}")
+        monkeypatch.setenv("GGPO_TEST_FULL_DISK", json.dumps({"root": str(root), "flag": flag and str(flag),
+                                                              "after": 2}))
+        argv_of = torchrun.torchrun_argv
+        monkeypatch.setattr(torchrun, "torchrun_argv", lambda tc, args: argv_of(tc, args, module="full_disk_rank"))
+        inputs, store = {"base": base_manifest, "pool": pool[2]}, Store(root / "cache")
+        cfg = load_config("smoke", CFG + ["train.nproc=2"])
+        folder = store.folder("train", graph.expected_key("train", cfg))
+        with pytest.raises(DiskFull) as err:
+            train.run(cfg, inputs, store=store)
+        assert str(folder / "checkpoints") in str(err.value) and "\n" not in str(err.value), str(err.value)
+        assert not (folder / MANIFEST).exists()
+        assert checkpoint.load(folder / "checkpoints")["update"] == 2
+        left = [p.name for p in (folder / "checkpoints").iterdir()]
+        assert sorted(left) == ["dcp-000002", checkpoint.POINTER], left
+        (disk.free() if flag is None else flag.unlink())
+        monkeypatch.setattr(torchrun, "torchrun_argv", argv_of)
+        resumed = train.run(cfg, inputs, store=store)
+        _, double = runs
+        assert pl.read_parquet(resumed.path("metrics")).drop("seconds").equals(
+            pl.read_parquet(double.path("metrics")).drop("seconds"))
+        _assert_same_run(resumed, double)
+    finally:
+        disk.close()

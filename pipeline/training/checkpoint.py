@@ -96,6 +96,7 @@ def _meta(update: int, reference, metrics: list[dict], lp_old: dict | None, bloc
 def _save_dcp(folder: Path, update: int, model, optimizer, meta: dict) -> None:
     """Collective: every rank calls it after the same update."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
     d = current()
     assert d is not None    # a sharded model: this process is a rank
@@ -108,7 +109,10 @@ def _save_dcp(folder: Path, update: int, model, optimizer, meta: dict) -> None:
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-    except Exception as exc:     # the pointer stays on the previous folder; this one's shards go
+    # the pointer stays on the previous folder; this one's shards go. DCP gathers the ranks'
+    # failures into one CheckpointException, a BaseException: `except Exception` let it
+    # through, leaving the half-written folder (a full disk's shards) and no DiskFull line
+    except (Exception, CheckpointException) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(exc) and not isinstance(exc, DiskFull):
             raise disk_full(tmp, state_bytes({"model": model_sd, "optim": optim_sd}), "checkpointing into") from exc

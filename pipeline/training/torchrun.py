@@ -6,8 +6,9 @@
 and `main` is what every rank runs: it joins the process group (distributed.init) and runs
 the single-process loop (loop.train), whose distributed behaviour lives in distributed.py.
 Any rank's failure makes torchrun exit non-zero; `launch` then raises a one-line
-TrainingError, so `run_stage` writes no manifest, and a rerun resumes from the last
-complete checkpoint. The parent reads the metrics rows back from that final checkpoint.
+TrainingError (DiskFull, with the rank's own line, when a rank ran out of space: the CLI's
+exit 2 and "free space, then rerun"), so `run_stage` writes no manifest, and a rerun resumes
+from the last complete checkpoint (a DCP folder is published only whole, checkpoint.py). The parent reads the metrics rows back from that final checkpoint.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.core.config import PipelineConfig
-from pipeline.core.errors import TrainingError
+from pipeline.core.errors import DiskFull, TrainingError
 from pipeline.models.hf import load_tokenizer
 from pipeline.services.servers import free_port
 from pipeline.training import checkpoint
@@ -53,8 +54,10 @@ def launch(cfg, base_path: str, pool_path: Path, folder: Path) -> list[dict]:
         proc = subprocess.run(argv, cwd=Path(__file__).resolve().parents[2], env=env,
                               stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
-        last = last_error(proc.stderr)
+        last, full = last_error(proc.stderr), disk_full_line(proc.stderr)
         sys.stderr.write(proc.stderr[-4000:])
+        if full:
+            raise DiskFull(f"{full} (torchrun, {tc.nproc} x {tc.nnodes} ranks)")
         raise TrainingError(f"train: torchrun ({tc.nproc} x {tc.nnodes} ranks) exited {proc.returncode}"
                             f"{': ' + last if last else ''}; checkpoints kept in {folder / 'checkpoints'}, "
                             "rerun the same command to resume")
@@ -62,6 +65,16 @@ def launch(cfg, base_path: str, pool_path: Path, folder: Path) -> list[dict]:
     if state is None or state["update"] != tc.updates:
         raise TrainingError(f"train: torchrun exited 0 but {folder / 'checkpoints'} holds no final checkpoint")
     return state["metrics"]
+
+
+def disk_full_line(stderr: str) -> str:
+    """A rank's DiskFull message ("disk full: checkpointing into <path> needs about ..."),
+    the first one any rank printed; "" when no rank ran out of space that way."""
+    for line in stderr.splitlines():
+        _, sep, message = line.partition("DiskFull: ")
+        if sep and message.startswith("disk full:"):
+            return message.strip()[:500]
+    return ""
 
 
 def last_error(stderr: str) -> str:
