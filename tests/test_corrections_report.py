@@ -48,7 +48,7 @@ def manifest(stage: str, folder: Path, files: dict | None = None, summary: dict 
 
 def metric(method: str, seed: int, u: int, col: str) -> float:
     """A distinct value per method, seed, update and column (what the rows hold)."""
-    return (1 + list(RULE).index(method)) * 1e-2 + seed * 1e-6 + u * 1e-3 + mismatch.COLUMNS.index(col) * 1e-4
+    return len(method) * 1e-2 + seed * 1e-6 + u * 1e-3 + mismatch.COLUMNS.index(col) * 1e-4
 
 
 def metrics_file(folder: Path, method: str, seed: int, updates: list[int], schema, extra: dict, old: bool) -> Manifest:
@@ -58,7 +58,7 @@ def metrics_file(folder: Path, method: str, seed: int, updates: list[int], schem
     rows: dict[str, list] = {f.name: [None] * len(updates) for f in schema}
     rows |= {"update": updates, **extra} | {c: [metric(method, seed, u, c) for u in updates] for c in
                                              ("abs_log_ratio", "k3_mismatch", "chi2_token", "chi2_seq",
-                                              "max_abs_log_ratio", RULE[method]) if c in rows}
+                                              "max_abs_log_ratio", RULE.get(method, "")) if c in rows}
     rows["ess"] = [metric(method, seed, u, "ess") if u % 4 == 0 else None for u in updates]
     table = typed_table(rows, schema)
     if old:
@@ -159,12 +159,11 @@ def test_records_from_before_the_new_columns_report_them_as_null(tmp_path):
     text, _, csv = corrections.write(on_evals, on_curves, off_evals, off_curves, tmp_path / "report", "mean@8")
     assert csv["chi2_token"].null_count() == csv.height and csv["mask_frac"].null_count() == csv.height
     assert csv["abs_log_ratio"].null_count() == 0 and csv["clip_frac"].null_count() < csv.height   # old columns stay
-    (tmp_path / "online").mkdir()
-    online.write(online.in_cell_order(on_evals), on_curves, tmp_path / "online", "mean@8")
-    drift = pl.read_csv(tmp_path / "online" / "drift.csv")
+    drift = online.drift_rounds(on_curves)          # drift.csv's frame
     assert drift["chi2_seq"].null_count() == drift.height and drift["round_drift"].null_count() == 0
-    paths = offline.write(off_evals, off_curves, tmp_path / "offline", "mean@8")
-    assert pl.read_csv(paths["diagnostics"])["chi2_token"].null_count() == 3
+    assert drift["abs_log_ratio"].null_count() == 0
+    diag = offline.diagnostics(off_curves)          # the offline report's diagnostics.csv
+    assert diag["chi2_token"].null_count() == 3 and "chi2_token" in offline.diagnostics_markdown(diag)
     # one cell with an old round and a new one
     new = metrics_file(tmp_path / "new", "cispo", 42, [3, 4], ONLINE_METRICS, {"round": [1, 1]}, old=False)
     old = metrics_file(tmp_path / "old", "cispo", 42, [1, 2], ONLINE_METRICS, {"round": [0, 0]}, old=True)
@@ -206,3 +205,36 @@ def test_the_parent_runs_metrics_name_method_and_setting(tmp_path):
     assert close(summary["final_mean_at_8/cispo-offline"], math.fsum(FINALS[("cispo", "offline")].values()) / 3)
     assert "diff_to_reference/cispo-N:4" in summary and "diff_to_reference/grpo_tis-N:4" not in summary
     assert "mismatch/chi2_token/cispo-N:1" in summary and "mismatch/clip_frac/cispo-N:1" in summary
+
+
+def test_every_new_column_is_logged_to_mlflow_per_update(tmp_path):
+    """A training run's MLflow points (tracking.training_curves: every metrics column but
+    `update`, one point per update that has a value): chi-square, the rule's share and, in an
+    online round, max |log rho| and the round drift are among them; an old record's absent
+    columns are simply not logged."""
+    from pipeline.services import tracking
+    new = metrics_file(tmp_path / "new", "icepop", 42, [1, 2], ONLINE_METRICS,
+                       {"round": [0, 0], "round_drift": [None, 0.5]}, old=False)
+    points = {(name, step): value for name, value, step in tracking.training_curves(new)}
+    for col in ("chi2_token", "chi2_seq", "mask_frac", "abs_log_ratio", "max_abs_log_ratio", "k3_mismatch"):
+        assert points[(f"train/{col}", 2)] == metric("icepop", 42, 2, col)
+    assert points[("train/round_drift", 2)] == 0.5 and ("train/round_drift", 1) not in points
+    assert ("train/ess", 2) not in points and ("train/ess", 4) not in points       # ess only at block ends
+    old = metrics_file(tmp_path / "old", "icepop", 42, [1, 2], TRAIN_METRICS, {}, old=True)
+    names = {name for name, _, _ in tracking.training_curves(old)}
+    assert "train/abs_log_ratio" in names and "train/chi2_token" not in names
+
+
+def test_ggpo_run_and_report_take_the_corrections_flow(tmp_path, capsys, monkeypatch):
+    """`ggpo run corrections` parses (default preset corrections); `ggpo report --preset
+    corrections` on a cache without its cells says how to build them, not a traceback."""
+    from pipeline import cli
+    args = cli.parser().parse_args(["run", "corrections", "--set", "experiment.seeds=[42]"])
+    assert args.flow == "corrections" and cli.DEFAULT_PRESET[args.flow] == "corrections"
+    monkeypatch.setenv("GGPO_CACHE", str(tmp_path / "empty"))
+    sets = ['experiment.methods=["grpo_tis","cispo"]', "experiment.seeds=[42]", "train.updates=8",
+            'experiment.grid={"train.updates_per_step": [4]}']
+    assert cli.main(["report", "--preset", "corrections", *(a for s in sets for a in ("--set", s))]) == 0
+    out = capsys.readouterr().out
+    assert "nothing evaluated yet for this experiment: run it with `ggpo run corrections --preset corrections`" in out
+    assert "ggpo-online" in out

@@ -180,3 +180,22 @@ def test_the_testbeds_commands_run_the_papers_three_seeds_in_one_command(flow, s
     assert [c.config.model_dump(exclude={"experiment"}) for c in three[:cells_per_seed]] \
         == [c.config.model_dump(exclude={"experiment"}) for c in one]
     assert {c.config.seed for c in three} == {42, 1234, 2027}
+
+
+def test_all_is_every_registered_method_and_refused_where_ambiguous():
+    """experiment.methods=["all"]: every method of the table in its order (the built-in
+    fifteen here; a plugin's too, tests/test_methods.py), variants named beside it after;
+    a method named beside it, or "all" twice, is one config error."""
+    from pipeline.core import methods
+    cfg = smoke(methods=["all"])
+    assert cfg.experiment.methods == list(methods.names()) and len(methods.names()) >= 15
+    assert [c.method for c in grid.cells(cfg)] == list(methods.names())
+    with_variant = smoke(methods=["all", "ggpo_clip"], variants=CLIP)
+    assert with_variant.experiment.methods == list(methods.names()) + ["ggpo_clip"]
+    assert with_variant.updated({"seed": 7}).experiment.methods == with_variant.experiment.methods   # stays expanded
+    with pytest.raises(ConfigError, match=r"experiment.methods: \['grpo'\] named beside 'all'"):
+        smoke(methods=["all", "grpo"])
+    with pytest.raises(ConfigError, match="experiment.methods: 'all' given 2 times"):
+        smoke(methods=["all", "all"])
+    with pytest.raises(ConfigError, match="experiment.methods: 'all' is also the name of a variant"):
+        smoke(methods=["all"], variants={"all": {"train.method": "ggpo"}})

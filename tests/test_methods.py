@@ -179,3 +179,20 @@ def test_a_plugin_that_does_not_import_is_one_config_line(monkeypatch):
     with pytest.raises(ConfigError, match="GGPO_PLUGINS: cannot import plugin module 'no_such_plugin_module'"):
         load_config("smoke", ["train.method=toy"])
     methods._loaded.discard("no_such_plugin_module")
+
+
+def test_a_plugin_method_is_in_all_and_in_the_corrections_table(plugin, tmp_path):
+    """experiment.methods=["all"] holds the plugin's methods after the built-in ones, and the
+    corrections table (pipeline/reports/corrections.py) has a row for it under its title, paired
+    to GRPO+TIS; real cells and metrics files (tests/test_corrections_report.py). Costs about a
+    second beyond imports."""
+    from test_corrections_report import corrections_cache
+
+    from pipeline.reports import corrections as table
+    cfg = load_config("corrections")
+    assert cfg.experiment.methods[-2:] == ["toy", "toy_beh"] and cfg.experiment.methods[:15] == list(methods.BUILT_IN)
+    text, _, csv = table.write(*corrections_cache(tmp_path / "cache", methods=("grpo_tis", "toy")), tmp_path / "r",
+                               "mean@8")
+    assert "| Toy REINFORCE (`toy`) | " in text and "| toy | N=1 | 3 | " in text
+    row = csv.filter((pl.col("method") == "toy") & (pl.col("setting") == "offline")).row(0, named=True)
+    assert row["title"] == "Toy REINFORCE" and row["reference"] == "grpo_tis" and row["diff_n"] == 3

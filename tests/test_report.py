@@ -197,3 +197,32 @@ def test_offline_report_pairs_methods_by_seed(tmp_path):
     half = T2 * math.sqrt(sum((x - mean) ** 2 for x in d) / 2) / math.sqrt(3)
     assert f"| grpo | - | {mean:+.2f} [{mean - half:+.2f}, {mean + half:+.2f}] | 3 |" in text
     assert "minus ggpo at the same grid point" in text and "| ggpo | 40.00 ± 2.00 | 53.00 ± 3.00 | 3 |" in text
+
+
+def test_both_reports_carry_the_mismatch_table_for_every_method(tmp_path):
+    """Item 2 of issue 35: the offline report's and the online report's diagnostics are
+    followed by the mismatch table (|log rho|, K3, chi-square token / sequence, ESS and the
+    share each method's rule clipped, truncated or masked) over the same window, and the
+    CSVs hold every column; a method without a rule prints '-'. Under a second beyond imports."""
+    from pipeline.reports import mismatch, online
+    rows: list[dict[str, Any]] = []
+    for method, rule in (("grpo", None), ("icepop", "mask_frac")):
+        for seed in (42, 1234):
+            for u in range(1, 9):
+                row = {"method": method, "seed": seed, "update": u, "abs_log_ratio": 0.01 * u, "k3_mismatch": 1e-3,
+                       "chi2_token": 0.002 * u + seed * 1e-6, "chi2_seq": 0.05, "grad_norm": 0.3}
+                rows.append(row | ({rule: 0.1} if rule else {}))
+    paths = offline.write(evals().with_columns(pl.col("method").replace({"ggpo": "icepop"})),
+                          pl.DataFrame(rows).with_columns(ess=pl.lit(None, pl.Float64)), tmp_path, "mean@8")
+    md = paths["markdown"].read_text()
+    chi2 = [sum(0.002 * u + s * 1e-6 for u in (7, 8)) / 2 for s in (42, 1234)]
+    assert "Mismatch against the behavior policy" in md
+    assert "| icepop | 2 | 0.075 ± 0 | 0.001 ± 0 | " in md and "| mask_frac 0.1 ± 0 |" in md
+    grpo = [line for line in md.splitlines() if line.startswith("| grpo | 2 | 0.075 ± 0 | 0.001 ± 0 | ")]
+    assert len(grpo) == 2 and grpo[-1].endswith("| - |")     # both tables; the mismatch one names no share
+    diag = pl.read_csv(paths["diagnostics"]).filter(pl.col("method") == "icepop").row(0, named=True)
+    assert diag["chi2_token"] == pytest.approx(sum(chi2) / 2, rel=1e-12) and diag["m2_mask_frac"] is None
+    evals_on, curves_on = online_cache(tmp_path / "online", [42])
+    table, _ = online.write(evals_on, curves_on, tmp_path / "online", "mean@8")
+    assert mismatch.title(online=True) in table and "| clipped / truncated / masked |" in table
+    assert set(mismatch.COLUMNS) <= set(pl.read_csv(tmp_path / "online" / "diagnostics.csv").columns)
