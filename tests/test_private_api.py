@@ -61,7 +61,7 @@ def test_the_replaced_functions_are_still_where_prefect_calls_them():
     from prefect.server.api import server
     assert re.search(r"\bpropose_state_sync\(", inspect.getsource(flow_engine))
     assert "subprocess.Popen(" in inspect.getsource(server.SubprocessASGIServer._run_uvicorn_command)
-    assert server.subprocess.Popen and server.subprocess_server_logger
+    assert hasattr(server.subprocess, "Popen") and hasattr(server, "subprocess_server_logger")
     assert "self._context_cache" in inspect.getsource(EventsWorker.__init__)
     assert "self._client" in inspect.getsource(APILogWorker)
 
@@ -90,8 +90,8 @@ def test_a_changed_or_missing_target_keeps_prefects_own_behavior_with_one_warnin
         monkeypatch.setattr(owner, name, getattr(owner, name))      # restored after the test
     from prefect.client.base import PrefectHttpxAsyncClient, PrefectHttpxSyncClient
     from prefect.logging.handlers import APILogWorker
-    for owner in (PrefectHttpxAsyncClient, PrefectHttpxSyncClient):
-        monkeypatch.setattr(owner, "send", owner.send)
+    for client in (PrefectHttpxAsyncClient, PrefectHttpxSyncClient):
+        monkeypatch.setattr(client, "send", client.send)
     monkeypatch.setattr(APILogWorker, "_handle_batch", APILogWorker._handle_batch)
     before = flow_engine.propose_state_sync
     prefect_client.install()
