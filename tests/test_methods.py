@@ -191,8 +191,8 @@ def test_a_plugin_method_is_in_all_and_in_the_corrections_table(plugin, tmp_path
     from pipeline.reports import corrections as table
     cfg = load_config("corrections")
     assert cfg.experiment.methods[-2:] == ["toy", "toy_beh"] and cfg.experiment.methods[:15] == list(methods.BUILT_IN)
-    text, _, csv = table.write(*corrections_cache(tmp_path / "cache", methods=("grpo_tis", "toy")), tmp_path / "r",
-                               "mean@8")
+    on_evals, on_curves, off_evals, off_curves = corrections_cache(tmp_path / "cache", methods=("grpo_tis", "toy"))
+    text, _, csv = table.write(on_evals, on_curves, off_evals, off_curves, tmp_path / "r", "mean@8")
     assert "| Toy REINFORCE (`toy`) | " in text and "| toy | N=1 | 3 | " in text
     row = csv.filter((pl.col("method") == "toy") & (pl.col("setting") == "offline")).row(0, named=True)
     assert row["title"] == "Toy REINFORCE" and row["reference"] == "grpo_tis" and row["diff_n"] == 3
