@@ -185,32 +185,39 @@ def table(seeds: pl.DataFrame, diag: pl.DataFrame) -> pl.DataFrame:
 
 
 def figure(csv: pl.DataFrame, path: Path) -> None:
-    """Final accuracy, the paired difference with its interval, and |log rho| against the
-    setting, one line per method."""
+    """Final accuracy (%), the paired difference to the reference with its interval
+    (percentage points) and |log rho| against the setting, one line per method over the
+    ladder and an unconnected square for the offline pool."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     settings = csv["setting"].unique(maintain_order=True).to_list()
     settings = [s for s in settings if s != OFFLINE] + [s for s in settings if s == OFFLINE]
     x = {s: i for i, s in enumerate(settings)}
-    panels = [("mean", None, "final accuracy"), ("diff", ("diff_low", "diff_high"), "difference to the reference"),
-              ("abs_log_ratio", None, "|log rho| against behavior (token mean)")]
+    panels = [("mean", None, 100.0, "final accuracy (%)"),
+              ("diff", ("diff_low", "diff_high"), 100.0, "difference to the reference (points, 95% interval)"),
+              ("abs_log_ratio", None, 1.0, "|log rho| against behavior (token mean)")]
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
-    colors = plt.get_cmap("tab20")
+    palette = plt.get_cmap("tab20")
     for i, method in enumerate(csv["method"].unique(maintain_order=True).to_list()):
+        color = palette((2 * i) % 20 + (2 * i // 20) % 2)      # the dark shades first, then the light ones
         rows = sorted(csv.filter(pl.col("method") == method).iter_rows(named=True), key=lambda r: x[r["setting"]])
-        for ax, (col, band, _) in zip(axes, panels):
-            pts = [(x[r["setting"]], r[col], r.get(band[0]) if band else None, r.get(band[1]) if band else None)
+        for ax, (col, band, scale, _) in zip(axes, panels):
+            pts = [(x[r["setting"]], scale * r[col], r["setting"] == OFFLINE,
+                    (scale * r[band[0]], scale * r[band[1]]) if band and r.get(band[0]) is not None else None)
                    for r in rows if r.get(col) is not None and not math.isnan(r[col])]
-            if not pts:
-                continue
-            xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            ax.plot(xs, ys, marker="o", color=colors(i % 20), label=title_of(method))
-            err = [(y - lo, hi - y) for (_, y, lo, hi) in pts if lo is not None and hi is not None]
-            if band and len(err) == len(pts):
-                ax.errorbar(xs, ys, yerr=list(zip(*err)), fmt="none", color=colors(i % 20), capsize=2)
-    for ax, (_, _, name) in zip(axes, panels):
+            ladder = [p for p in pts if not p[2]]
+            if ladder:
+                ax.plot([p[0] for p in ladder], [p[1] for p in ladder], marker="o", color=color, label=title_of(method))
+            for px, py, off, ci in pts:
+                if off:
+                    ax.plot([px], [py], marker="s", color=color, linestyle="none")
+                if ci is not None:
+                    ax.errorbar([px], [py], yerr=[[py - ci[0]], [ci[1] - py]], fmt="none", color=color, capsize=2)
+    for ax, (_, _, _, name) in zip(axes, panels):
         ax.set(xticks=range(len(settings)), xticklabels=settings, xlabel="setting", title=name)
+        if OFFLINE in x and len(settings) > 1:
+            ax.axvline(x[OFFLINE] - 0.5, color="grey", linestyle=":", linewidth=0.8)
     axes[1].axhline(0.0, color="grey", linewidth=0.8)
     axes[0].legend(fontsize=6, ncol=2)
     fig.tight_layout()
