@@ -5,7 +5,9 @@
 seed outermost, then methods, then the grid fields in their declared order (the last
 field varies fastest). A methods entry is a method name (`{"train.method": name}`) or a
 name in `experiment.variants` (its dotted overrides, e.g. `{"train.method": "ggpo",
-"train.ggpo_clip_delta": 0.05}`; without `train.method` the base config's method applies).
+"train.ggpo_clip_delta": 0.05}`; without `train.method` the base config's method applies);
+`["all"]` is every registered method, plugins included (config.expand_all: the config holds
+the expanded list, so cells never see "all").
 Overrides apply as base config <- method / variant <- grid values <- seed.
 
 Every cell's config is validated as the config it trains: an invalid one raises
