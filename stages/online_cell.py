@@ -20,10 +20,10 @@ learner now solves or fails nearly every prompt) ends the cell with online.on_st
 the learner after its last full round is kept as an online_policy and evaluated as the
 cell's final. One process only (under torchrun a stall fails the cell). The drift guard
 (online.max_round_drift) checks each measured round's learner-to-behavior drift at its end
-(pipeline/training/drift.py; online.drift_every = k measures every k-th round and the last,
-the others' drift is missing, None, and not checked): above the bound it warns in one line (online.on_drift = warn) or
-ends the cell after that round (stop), the learner after it kept as the cell's final, like
-a stall.
+(pipeline/training/drift.py; online.drift_every = k measures rounds 0, k, 2k, ... and the
+last, the others' drift is missing, None, and not checked): above the bound it warns in one
+line (online.on_drift = warn) or ends the cell after that round (stop), the learner after it
+kept as the cell's final, like a stall.
 
 Replay is resume: a killed cell restarts from its latest checkpoint and trains on the
 cached pools of the rounds after it without sampling them again (the pools are the log),
@@ -562,9 +562,10 @@ def rounds_done(stopped: dict | None, rounds: int) -> int:
 
 def drift_guard(cell: CellRun, st: TrainState, r: int, prev: Manifest, rounds: int) -> dict | None:
     """online.max_round_drift after round r: None to go on (no bound, a round not measured
-    under online.drift_every, within it, a warning, or the last round anyway); else the stop, with the learner after round r kept as an
-    online_policy at its update (the cell's final, evaluated by the flow), as a stall keeps
-    its. Under torchrun a stop fails the cell in one line."""
+    under online.drift_every, within it, a warning, or the last round anyway); else the
+    stop, with the learner after round r kept as an online_policy at its update (the cell's
+    final, evaluated by the flow), as a stall keeps its. Under torchrun a stop fails the
+    cell in one line."""
     oc, drift = cell.cfg.online, cell.drift.get("round_drift")
     if oc.max_round_drift is None or drift is None or drift <= oc.max_round_drift:
         return None

@@ -23,7 +23,8 @@ from pipeline.training.drift import drift_sample, drift_sums, from_sums, round_d
 from pipeline.training.pool import Pool
 from stages.online_cell import run_cell
 
-SMALL = {"train.updates_per_step": 2, "train.method": "ggpo", "train.eval_every": None, "train.updates": 6}
+SMALL = {"train.updates_per_step": 2, "train.method": "ggpo", "train.eval_every": None, "train.updates": 6,
+         "online.drift_every": 1}      # every round measured, whatever the default
 
 
 def hand_drift(model, pool: Pool, groups: list[int], temperature: float) -> tuple[float, float]:
@@ -137,8 +138,8 @@ def test_a_cell_records_its_drift_and_the_guard_warns_stops_or_stays_off(tmp_pat
 
 
 def test_drift_every_measures_every_kth_round_and_the_last(tmp_path, base_manifest, caplog, plain):
-    """online.drift_every = 2 over 3 rounds: round 1 (the 2nd) and round 2 (the last) are
-    measured, round 0 is not: its drift is missing (null in the metrics, None in its record,
+    """online.drift_every = 2 over 3 rounds: rounds 0 (a multiple of 2) and 2 (the last) are
+    measured, round 1 is not: its drift is missing (null in the metrics, None in its record,
     no MLflow curve point), never 0, and the guard (a bound below any real drift) says
     nothing for it. The keys, the updates and the weights are those of a cell measuring
     every round."""
@@ -148,7 +149,7 @@ def test_drift_every_measures_every_kth_round_and_the_last(tmp_path, base_manife
         counts = run_cell(cfg, store, base_manifest).counts
     lines = [r.getMessage() for r in caplog.records if "max_round_drift" in r.getMessage()]
     assert counts["rounds"] == 3 and len(lines) == 2, lines
-    assert "online round 1 " in lines[0] and "online round 2 " in lines[1]
+    assert "online round 0 " in lines[0] and "online round 2 " in lines[1]
     every, _, _ = plain
     plain_cfg = load_config("smoke-online", SMALL)
     for r in range(3):
@@ -158,7 +159,7 @@ def test_drift_every_measures_every_kth_round_and_the_last(tmp_path, base_manife
         got, want = pl.read_parquet(rec.path("metrics")), pl.read_parquet(ref.path("metrics"))
         assert got.drop("seconds", "round_drift", "round_drift_seq").equals(
             want.drop("seconds", "round_drift", "round_drift_seq"))      # the same updates, bit for bit
-        if r == 0:
+        if r == 1:
             assert got["round_drift"].null_count() == got.height == 2 and rec.summary["round_drift"] is None
             assert not [k for k, _, _ in tracking.training_curves(rec) if k.startswith("train/round_drift")]
         else:       # measured: the value of the cell that measures every round

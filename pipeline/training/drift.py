@@ -25,10 +25,10 @@ round's forwards, and the same sample on every rerun (deterministic on the CPU).
 per-update `abs_log_ratio` cannot stand in for it: it is taken before each update's step,
 so the last one sees N - 1 updates of drift (none at N = 1), on that update's groups only.
 
-Measured rounds (`due`): online.drift_every = k measures round r (0-based) when r + 1 is a
-multiple of k, and the run's last round (train.updates / N rounds); the others skip the
-forward and their columns are None (missing, never 0), which online.max_round_drift skips
-too. Skipping changes nothing else: the forward draws no random numbers and takes no step.
+Measured rounds (`due`): online.drift_every = k measures round r (0-based) when r is a
+multiple of k (round 0 always: the report's first-round column) and the run's last round
+(train.updates / N rounds); the others skip the forward and their columns are None
+(missing, never 0), which online.max_round_drift skips too. Skipping changes nothing else: the forward draws no random numbers and takes no step.
 """
 from __future__ import annotations
 
@@ -44,10 +44,10 @@ from pipeline.training.pool import batch, stack_groups
 
 
 def due(cfg: PipelineConfig) -> bool:
-    """Whether round cfg.online.round is measured: every online.drift_every rounds and the
-    run's last (train.updates // train.updates_per_step rounds)."""
+    """Whether round cfg.online.round is measured: rounds 0, k, 2k, ... (k =
+    online.drift_every) and the run's last (train.updates // train.updates_per_step rounds)."""
     r, rounds = cfg.online.round, cfg.train.updates // cfg.train.updates_per_step
-    return (r + 1) % cfg.online.drift_every == 0 or r + 1 >= rounds
+    return r % cfg.online.drift_every == 0 or r + 1 >= rounds
 
 
 def drift_sample(n_groups: int, size: int, seed: int, round_: int) -> list[int]:
