@@ -79,3 +79,20 @@ def test_bad_dataset_writes_nothing(tmp_path, base_manifest):
         rollout.run(cfg, {"base": base_manifest}, store=store)
     written = list((tmp_path / "cache").rglob("*"))
     assert not [p for p in written if p.name == MANIFEST or p.suffix == ".parquet"]
+
+
+@pytest.mark.parametrize("preset, width", [("tiny-regime-long-w4", 4), ("tiny-regime-long", 10)])
+def test_length_axis_presets_load_and_fit_their_traces(preset, width):
+    """The length axis (issue #34): tiny-regime on countdown_work:W, its response budgets the
+    task's (the longest trace fits), within the tiny model's context; the rest is tiny-regime's.
+    ~0.1 s."""
+    from pipeline.models.tiny_model import build_model, build_tokenizer
+    from pipeline.tasks import countdown_work
+    cfg, short = load_config(preset), load_config("tiny-regime")
+    assert cfg.task.name == f"countdown_work:{width}"
+    budget = catalog.response_budget(cfg.task)
+    assert cfg.rollout.max_new_tokens == cfg.eval.max_new_tokens == budget == countdown_work.budget(width)
+    context = build_model(cfg.model, len(build_tokenizer())).config.max_position_embeddings
+    assert len(catalog.format_prompt("9 9 9>999")) + budget < context
+    assert cfg.model_dump(exclude={"task", "rollout", "eval"}) == short.model_dump(exclude={"task", "rollout", "eval"})
+    assert cfg.task.model_dump(exclude={"name"}) == short.task.model_dump(exclude={"name"})
