@@ -24,17 +24,19 @@ first W failed tries the search meets, skipping a leaf that hits the target unti
 (so a line that hits the target is always followed by its box), then goes on to the first
 leaf that hits it and boxes that leaf's expression (fewest parentheses). When the search
 holds fewer than W failed tries it writes them all; when the larger-minus-smaller search
-holds no solution (never with 3 numbers) it searches again with both orders of `-`, which
-reaches every + - * expression, so a trace exists for every problem `countdown.make` draws.
+holds no solution (never at level 1: each of the 1,973 pairs of 3 numbers and a reachable
+target >= 1 has one) it searches again with both orders of `-`, which reaches every + - *
+expression, so a trace exists for every problem `countdown.make` draws.
 W sets the length: at level 1 (3 numbers) each failed try adds ~9.5 tokens (characters);
 `measure_lengths` gives the table (mean characters of the trace, without the end token):
 
     W      0     4     8    10    12
     mean  27    67   103   122   141
 
-A response may be as long as `budget(w, n)` tokens, which covers the longest trace (all
-failed tries of the full search) with room: the base's check samples and the presets'
-max_new_tokens use it.
+A response may be as long as `budget(w, count)` tokens: W failed tries and the solution's
+path with room (the longest of 500 level-1 traces: 31 tokens at W = 0, 142 at W = 10, against
+budgets of 38 and 158). The base stage's check samples use it (catalog.response_budget), and
+the presets set rollout/eval.max_new_tokens to it (pipeline/presets/tiny-regime-long*.toml).
 """
 from __future__ import annotations
 
