@@ -58,17 +58,19 @@ def main() -> None:
     from prefect.exceptions import TerminationSignal
     from prefect.runner import Runner
 
+    from flows.corrections import ggpo_corrections
     from flows.offline import ggpo
     from flows.online import ggpo_online
     from pipeline.services import prefect_client
     runner = Runner(pause_on_shutdown=True, limit=None)     # as prefect.serve() makes it
-    for flow, name, preset in ((ggpo, "offline", "tiny"), (ggpo_online, "online", "tiny-online")):
+    for flow, name, preset in ((ggpo, "offline", "tiny"), (ggpo_online, "online", "tiny-online"),
+                               (ggpo_corrections, "corrections", "corrections")):
         runner.add_flow(flow.with_options(on_running=[outage_handling]), name=name,
                         parameters={"preset": preset, "overrides": {}, "force": []})
     # after this process's own `import prefect` (its client keeps Prefect's retries): for
     # the flow runs' processes, which read it at theirs
     prefect_client.settings()
-    print("ggpo: serving the deployments ggpo/offline and ggpo/online", flush=True)
+    print("ggpo: serving the deployments ggpo/offline, ggpo/online and ggpo/corrections", flush=True)
     try:
         asyncio.run(runner.start())
     except (KeyboardInterrupt, TerminationSignal):

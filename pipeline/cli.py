@@ -117,7 +117,7 @@ def cmd_up(args) -> int:
     print(f"  Prefect UI: {state['urls']['prefect_ui']}\n  MLflow UI:  {state['urls']['mlflow']}")
     print(f"  MLflow runs and charts: {tracking.experiment_link(state['urls']['mlflow'])} (offline)\n"
           f"                          {tracking.experiment_link(state['urls']['mlflow'], 'online')} (online)")
-    print("  deployments: ggpo/offline, ggpo/online  (prefect deployment run ggpo/offline --watch)")
+    print("  deployments: ggpo/offline, ggpo/online, ggpo/corrections  (prefect deployment run ggpo/offline --watch)")
     print_exports(state)
     print_unreported()
     return 0
