@@ -168,6 +168,16 @@ def test_drift_every_measures_every_kth_round_and_the_last(tmp_path, base_manife
     key = graph.expected_key("online_policy", cfg.updated({"eval.update": 6}))
     a, b = (load_file(s.load("online_policy", key).path("weights")) for s in (store, every))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the report: round 1 blank in drift.csv, the summary over the measured rounds only
+    from pipeline.core.grid import GridCell
+    from pipeline.reports import online as online_report
+    rounds = [store.load("online_train", graph.online_keys(cfg, r)["online_train"]) for r in range(3)]
+    curves = online_report.cell_curves(GridCell(cfg.seed, "ggpo", {}, "ggpo", {}, cfg), cfg, rounds)
+    measured = [rec.summary["round_drift"] for rec in rounds]
+    assert online_report.drift_rounds(curves)["round_drift"].to_list() == measured
+    summary = online_report.drift_summary(curves).row(0, named=True)
+    assert (summary["rounds"], summary["first"], summary["last"]) == (3, measured[0], measured[2])
+    assert summary["mean"] == pytest.approx((measured[0] + measured[2]) / 2, rel=1e-12)
 
 
 def test_the_guard_fields_enter_no_key():
