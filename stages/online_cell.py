@@ -452,7 +452,19 @@ def run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -
     """Every round of the cell `cfg` (train.updates // N of them); its counts and the
     manifests it wrote or found (rounds, policies at evaluation points).
     on_round(r, pool, trained) after each round (the flow logs it to MLflow and Prefect).
-    train.nproc / nnodes > 1: the cell runs under torchrun (launch)."""
+    train.nproc / nnodes > 1: the cell runs under torchrun (launch).
+
+    The cell's state folder is written outside any stage build, so a second process running
+    the same cell (two `ggpo run online` on one cache) waits on the store's build lock of the
+    cell's key, then resumes from what the first left: never two learners in one folder.
+    Ranks under torchrun run inside their launcher's lock."""
+    if distributed.current() is not None:
+        return _run_cell(cfg, store, base, on_round)
+    with store.build_lock(STATE, graph.cell_key(cfg)):
+        return _run_cell(cfg, store, base, on_round)
+
+
+def _run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) -> CellResult:
     if distributed.wanted(cfg.train) and distributed.current() is None:
         return launch(cfg, store, base, on_round)
     tc = cfg.train
