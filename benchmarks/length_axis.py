@@ -7,7 +7,7 @@ For each preset (default: tiny-regime, then the countdown_work presets) in one p
   eval.max_new_tokens: mean response length (tokens, without the end token), mean@m, the
   share of mixed groups, distinct correct responses and distinct boxed answers per group
   with a success (base_model.group_stats), and the share of responses cut at the budget;
-- one online update: a GGPO cell at each N of `--n` (train.updates_per_step) over `--rounds`
+- one online update: a cell (`--method`, GGPO by default) at each N of `--n` (train.updates_per_step) over `--rounds`
   rounds in a fresh store (stages/online_cell.run_cell); per update, the median round's
   seconds, wall and CPU (rounds after the first, which carries the start-up) over N. The presets' cells
   alternate within each repetition, so load on the machine falls on all of them alike; the
@@ -52,23 +52,25 @@ def base_on_eval(cfg: PipelineConfig, base, problems: int) -> dict:
     return {k.replace("check_", "eval_"): v for k, v in stats.items()} | {"eval_cut_at_budget": cut / len(texts)}
 
 
-def update_seconds(cfg: PipelineConfig, base, n: int, rounds: int) -> tuple[float, float]:
-    """(wall, CPU) seconds per update of a GGPO cell at N = n: the median round after the
+def update_seconds(cfg: PipelineConfig, base, n: int, rounds: int, method: str) -> tuple[float, float]:
+    """(wall, CPU) seconds per update of a `method` cell at N = n: the median round after the
     first, over n. CPU time is this process's (one torch thread, grading in-process): on a
     loaded machine it moves far less than the wall time."""
     cell = cfg.model_copy(deep=True)
-    cell.train.method, cell.train.updates_per_step = "ggpo", n
+    cell.train.method, cell.train.updates_per_step = method, n
     cell.train.updates = cell.train.eval_every = cell.train.checkpoint_every = rounds * n
     stamps = [(time.perf_counter(), time.process_time())]
     with tempfile.TemporaryDirectory(prefix="ggpo-length-axis-") as tmp:
         run_cell(cell, Store(tmp), base, on_round=lambda *_: stamps.append((time.perf_counter(), time.process_time())))
+    if len(stamps) < 3:     # a stall (online.on_stall) in round 0 leaves no round to time
+        raise SystemExit(f"{cfg.task.name} {method} N={n}: the cell stopped before round 1; try --method grpo_tis")
     wall = [b[0] - a[0] for a, b in zip(stamps[1:], stamps[2:])]
     cpu = [b[1] - a[1] for a, b in zip(stamps[1:], stamps[2:])]
     return statistics.median(wall) / n, statistics.median(cpu) / n
 
 
 def measure(presets: list[str], sets: list[str], ns: list[int], rounds: int, reps: int, problems: int,
-            cache: str | None) -> dict:
+            cache: str | None, method: str = "ggpo") -> dict:
     torch.set_num_threads(1)
     out: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="ggpo-length-axis-cache-") as tmp:
@@ -89,7 +91,7 @@ def measure(presets: list[str], sets: list[str], ns: list[int], rounds: int, rep
             per: dict[str, list[tuple[float, float]]] = {p: [] for p in presets}
             for rep in range(reps):
                 for preset in presets:
-                    per[preset].append(update_seconds(load_config(preset, sets), bases[preset], n, rounds))
+                    per[preset].append(update_seconds(load_config(preset, sets), bases[preset], n, rounds, method))
                 first = per[presets[0]][-1]
                 print(f"N={n} rep {rep}: " + ", ".join(
                     f"{p} {1000 * per[p][-1][0]:.0f} ms/update wall ({per[p][-1][0] / first[0]:.2f}x), "
@@ -109,13 +111,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--n", dest="ns", type=int, nargs="+", default=[1, 16], help="updates per round (N)")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per cell (the first is not counted)")
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--method", default="ggpo", help="the cells' train.method (GGPO stalls at N = 16 with "
+                    "tiny-regime's lr: time grpo_tis there)")
     ap.add_argument("--eval-problems", type=int, default=200, help="0: no eval-split statistics")
     ap.add_argument("--cache", default=None, help="a store folder to build the bases in (and find them); "
                     "default: a temporary one, so every warm-up runs")
     args = ap.parse_args(argv)
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (round 0 carries the start-up and is not counted)")
-    result = measure(args.presets, args.sets, args.ns, args.rounds, args.reps, args.eval_problems, args.cache)
+    result = measure(args.presets, args.sets, args.ns, args.rounds, args.reps, args.eval_problems, args.cache, args.method)
     print(json.dumps(result, indent=1))
     return result
 
