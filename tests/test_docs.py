@@ -314,7 +314,7 @@ def test_the_cli_check_fails_on_an_unknown_subcommand_choice_and_flag():
     assert cli_problems(good, ap) == []
     assert cli_problems("`ggpo launch offline`", ap) == ["`ggpo launch offline`: ggpo has no subcommand launch"]
     assert cli_problems("`ggpo run sideways`", ap) == [
-        "`ggpo run sideways`: ggpo run: sideways is not one of ['offline', 'online']"]
+        "`ggpo run sideways`: ggpo run: sideways is not one of ['corrections', 'offline', 'online']"]
     assert cli_problems("```\nggpo cache gc --really\n```\n", ap) == [
         "`ggpo cache gc --really`: ggpo cache has no flag --really"]
     assert cli_problems("`ggpo pool import x.jsonl --trust-everything`", ap)
