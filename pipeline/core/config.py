@@ -34,7 +34,7 @@ def check_known(setting: str, given, known: tuple[str, ...]) -> None:
 
 class TaskConfig(Section):
     """The prompt set: a built-in task family, or a Parquet/JSONL file with problem, answer."""
-    name: str = "digit_sort"          # digit_sort | arithmetic | countdown | path to .parquet/.jsonl
+    name: str = "digit_sort"          # digit_sort | arithmetic | countdown | countdown_work:W | path to .parquet/.jsonl
     difficulty: int = Field(1, ge=1, le=5)
     n_train: int = Field(512, ge=1)
     n_eval: int = Field(200, ge=1)
