@@ -62,6 +62,11 @@ class NonFiniteUpdate(TrainingError):
     """An update whose loss or gradient norm is not finite (it is never applied)."""
 
 
+class NonFiniteLogits(ExpectedError, RuntimeError):
+    """A sampler's forward gave a NaN or infinite logit: the draw is refused (one line saying
+    where), never sampled from or scored."""
+
+
 class RefillError(ExpectedError, RuntimeError):
     """An online round could not collect its N * G_mb mixed-reward groups within online.max_draws."""
 

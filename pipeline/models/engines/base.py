@@ -20,17 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pipeline.core.errors import ExpectedError
+from pipeline.core.errors import NonFiniteLogits as NonFiniteLogits  # re-exported: the engines raise it
 
 if TYPE_CHECKING:       # annotations only: this module stays importable without torch
     import torch
 
 LOGPROBS_MODE = "temperature_scaled_before_top_p"
-
-
-class NonFiniteLogits(ExpectedError, RuntimeError):
-    """A sampler's forward gave a NaN or infinite logit: the draw is refused (one line saying
-    where), never sampled from or scored."""
 
 
 @dataclass(frozen=True)
