@@ -1,8 +1,9 @@
 """The private APIs of our dependencies that the project replaces stay what the
-replacements were written against. Prefect is pinned to the range they were tested on
-(pyproject: prefect>=3.9,<3.10); a fresh install that resolves to another version, or a
-pin widened without a look, fails here instead of at every run's start or, worse, silently
-(the outage handling no longer in the path).
+replacements were written against (Prefect 3.9). pyproject keeps prefect>=3.4,<4, because
+vLLM 0.33's GPU stack does not resolve with 3.9; so every patched target's signature is
+checked here and by install() at every run's start, which keeps Prefect's own behavior, with
+one warning, where one differs: a fresh install that resolves to another version fails here
+instead of silently losing the outage handling.
 
 Replaced, found by grepping pipeline/, stages/, flows/, benchmarks/, scripts/ for `_`-prefixed
 attributes of prefect, mlflow, transformers, torch and vllm that are assigned, overridden or
@@ -66,9 +67,12 @@ def test_the_replaced_functions_are_still_where_prefect_calls_them():
     assert "self._client" in inspect.getsource(APILogWorker)
 
 
-def test_prefect_is_pinned_to_the_version_the_patches_were_written_for():
+def test_the_installed_prefect_is_the_one_the_patches_were_written_for():
+    """The range stays wide (vLLM 0.33's GPU stack does not resolve with prefect 3.9,
+    tests/test_gpu_stack.py); what `make install` resolves to here is the version the patches
+    were written and tested on, and any other meets install()'s signature check (below)."""
     deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert "prefect>=3.9,<3.10" in deps
+    assert "prefect>=3.4,<4" in deps
     assert version("prefect").startswith("3.9.") and prefect_client.TESTED_ON.startswith("3.9.")
 
 
