@@ -119,23 +119,8 @@ def _step_side_by_side(model, prompts: list[str], tok, steps: int, shrink_at: in
     former's logits), their logits compared bit for bit at every step; at step `shrink_at` the
     batch keeps every other row; the lean cache starts `room` columns past the prompt (a small
     one makes it grow). Returns the number of steps compared."""
-    from pipeline.models.engines.decode import HFForward, LeanQwen3
-    from pipeline.models.engines.hf import left_padded
-    step_ids, attn, pos = left_padded([tok(p)["input_ids"] for p in prompts], tok.pad_token_id, steps)
-    width = step_ids.shape[1]
-    hf, lean = HFForward(model), LeanQwen3(model, width + steps, room)
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for t in range(steps):
-            a, b = hf(step_ids, attn[:, :width + t], pos), lean(step_ids, attn[:, :width + t], pos)
-            assert torch.equal(a, b), f"step {t}: max |diff| {(a - b).abs().max()}"
-            step_ids = torch.multinomial(a.float().softmax(-1), 1, generator=gen)
-            pos = pos[:, -1:] + 1
-            if t == shrink_at:
-                keep = torch.arange(0, step_ids.shape[0], 2)
-                hf.select(keep)
-                lean.select(keep)
-                attn, step_ids, pos = attn[keep], step_ids[keep], pos[keep]
+    every_other = {shrink_at: lambda attn: torch.arange(0, attn.shape[0], 2)}
+    _side_by_side(model, _ids(tok, prompts), tok.pad_token_id, steps, every_other, room)
     return steps
 
 
@@ -220,8 +205,10 @@ def test_a_lean_step_that_differs_is_dropped_and_the_draw_is_transformers(base_m
 
 def _side_by_side(model, ids: list[list[int]], pad_id: int, steps: int, shrinks: dict, room: int = 64,
                   check: bool = False, verified: set | None = None):
-    """_step_side_by_side's loop over token ids: at step t in `shrinks` the batch keeps the rows
-    shrinks[t](attention mask) gives; returns the lean forward (its checks, its state)."""
+    """transformers' forward and the lean decode step fed the same tokens (drawn from the
+    former's logits), their logits compared bit for bit at every step; at step t in `shrinks`
+    the batch keeps the rows shrinks[t](attention mask) gives; returns the lean forward (its
+    checks, its state)."""
     from pipeline.models.engines.decode import HFForward, LeanQwen3
     from pipeline.models.engines.hf import left_padded
     step_ids, attn, pos = left_padded(ids, pad_id, steps)
