@@ -37,6 +37,17 @@ from stages import base_model, online_cell, online_train
 DEFAULTS = {"experiment.methods": "[grpo]", "train.method": "grpo", "train.eval_every": "null"}   # --set overrides
 
 
+def timed(fn, into: list[float]):
+    """`fn`, appending each call's seconds to `into`."""
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+    return wrapper
+
+
 class Timed:
     """Seconds of every round (online_cell.one_round) and drift forward (online_train's
     round_drift) while installed; the functions are module globals, called by name."""
@@ -47,20 +58,8 @@ class Timed:
         self._round, self._drift = online_cell.one_round, online_train.round_drift
 
     def __enter__(self) -> Timed:
-        def one_round(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return self._round(*args, **kwargs)
-            finally:
-                self.rounds.append(time.perf_counter() - t0)
-
-        def round_drift(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return self._drift(*args, **kwargs)
-            finally:
-                self.drift.append(time.perf_counter() - t0)
-        online_cell.one_round, online_train.round_drift = one_round, round_drift
+        online_cell.one_round = timed(self._round, self.rounds)
+        online_train.round_drift = timed(self._drift, self.drift)
         return self
 
     def __exit__(self, *exc) -> None:
