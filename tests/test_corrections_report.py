@@ -182,7 +182,9 @@ def test_the_report_says_so_before_any_final(tmp_path):
 def test_the_preset_runs_every_registered_method_on_the_ladder_three_seeds_and_the_pool():
     """corrections: 'all' is every method of the table (15 built in, 4 x 3 seeds each
     online: 180 cells; 45 offline trainings on the seeds' pools), and its sections are
-    tiny-regime's, so the four original methods' cells have the testbed's keys."""
+    tiny-regime's but for two schedules outside a round's key (evaluation at the end only,
+    the round drift every 4th round), so the four original methods' rounds have the
+    testbed's keys."""
     from pipeline.core import methods
     from pipeline.dag import graph
     cfg = load_config("corrections")
@@ -190,7 +192,11 @@ def test_the_preset_runs_every_registered_method_on_the_ladder_three_seeds_and_t
     assert cfg.experiment.seeds == list(SEEDS) and cfg.experiment.grid == {"train.updates_per_step": [1, 4, 16, 64]}
     assert len(grid.cells(cfg)) == len(methods.names()) * 4 * 3
     assert len(grid.cells(corrections.offline_config(cfg))) == len(methods.names()) * 3
-    assert cfg.model_dump(exclude={"experiment"}) == load_config("tiny-regime").model_dump(exclude={"experiment"})
+    schedules = {"experiment": True, "train": {"eval_every"}, "online": {"drift_every"}}
+    testbed = load_config("tiny-regime")
+    assert cfg.model_dump(exclude=schedules) == testbed.model_dump(exclude=schedules)
+    assert (cfg.train.eval_every, cfg.online.drift_every) == (None, 4)
+    assert (testbed.train.eval_every, testbed.online.drift_every) == (64, 1)
     ladder = grid.cells(load_config("tiny-regime", {"experiment.grid": {"train.updates_per_step": [1, 4, 16, 64]},
                                                     "experiment.seeds": list(SEEDS)}))
     ours = {(c.seed, c.label): c.config for c in grid.cells(cfg)}
