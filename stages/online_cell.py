@@ -26,16 +26,16 @@ line (online.on_drift = warn) or ends the cell after that round (stop), the lear
 kept as the cell's final, like a stall.
 
 Replay is resume: a killed cell restarts from its latest checkpoint and trains on the
-cached pools of the rounds after it without sampling them again (the pools are the log),
-to the same weights on CPU. A longer run (more train.updates) continues the same chain:
-round keys do not depend on train.updates, so finished rounds are cache hits and the
-final checkpoint of the shorter run is where it starts. Memory: the trainer's cached
-blocks go back to the device before the sampler runs, and a vLLM sampler sleeps between
-rounds (runtime.release_device_memory, engine.sleep). A vLLM sampler's share of the GPU is
-planned at the cell's start from the learner's full footprint (weights, gradients, AdamW
-moments, reference, activations at the token budget: pipeline/models/gpu_memory.py), not
-measured then: vLLM keeps the size it starts with, and AdamW's moments, the gradients and
-the activations only arrive with the first update.
+cached pools of the rounds after it without sampling them again (the pools are the log), to
+the same weights on CPU (every round at one torch thread count: pin_threads). A longer run
+(more train.updates) continues the same chain: round keys do not depend on train.updates,
+so finished rounds are cache hits and the final checkpoint of the shorter run is where it
+starts. Memory: the trainer's cached blocks go back to the device before the sampler runs,
+and a vLLM sampler sleeps between rounds (runtime.release_device_memory, engine.sleep). A
+vLLM sampler's share of the GPU is planned at the cell's start from the learner's full
+footprint (weights, gradients, AdamW moments, reference, activations at the token budget:
+pipeline/models/gpu_memory.py), not measured then: vLLM keeps the size it starts with, and
+AdamW's moments, the gradients and the activations only arrive with the first update.
 
 On disk per cell: the rounds' pools and metrics, the evaluation policies, and
 `<cache>/online_cell-<key16>/checkpoints/round-NNNNNN/` (latest.pt or DCP shards, and
@@ -468,6 +468,7 @@ def _run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) 
     if distributed.wanted(cfg.train) and distributed.current() is None:
         return launch(cfg, store, base, on_round)
     tc = cfg.train
+    pin_threads(cfg)
     rounds = tc.updates // tc.updates_per_step
     cell = CellRun(cfg, store, base, [graph.online_keys(cfg, r) for r in range(rounds)], state_folder(store, cfg),
                 make_runtime(tc), load_tokenizer(model_path(base)))
@@ -515,6 +516,19 @@ def _run_cell(cfg: PipelineConfig, store: Store, base: Manifest, on_round=None) 
     done = rounds_done(stalled, rounds)
     counts = cell.counts | {"rounds": done, "update": st.update, "folder": str(cell.folder), "stalled": stalled}
     return CellResult(counts, tuple(cell.rounds), kept_policies(cfg, store, done, cell.policies) if cell.main else {})
+
+
+def pin_threads(cfg: PipelineConfig) -> None:
+    """Every round of a cell trains at one torch thread count. A transformers sampler sets
+    torch's threads to model.threads when it is built (engines/hf.py), at the first round
+    that samples; a resumed cell trains the rounds it replays before that, so the count is
+    set here first: else those rounds run at the process's default (one thread per core in
+    a fresh `ggpo stage online`) and the CPU kernels, which split their sums by thread,
+    reach other bits than the uninterrupted run's. Nothing changes for an uninterrupted
+    cell (its sampler is built before its first update). A vLLM sampler leaves the count
+    alone, and so does the cell (a learner on the GPU, a reference maybe on the CPU)."""
+    if cfg.rollout.engine == "transformers":
+        torch.set_num_threads(cfg.model.threads)
 
 
 def done_round(rounds: list[CellRound], r: int, pool: Manifest, trained: Manifest, on_round) -> None:

@@ -182,12 +182,6 @@ def test_vllm_sync_sends_every_tensor_through_the_weight_transfer_api(base_manif
 
 # --------------------------------------------------------------------------- resume
 
-# Known bug, open: replaying a round from the checkpoint before it is not bit-exact on the CPU
-# ("online round R replayed to a final loss of ..., its record says ..."), so where the kill
-# leaves a round to replay the later policies differ (e.g. GGPO_TEST_SEED=894198: policies
-# 15 and 16). It fails on the code before this change too; not diagnosed yet. The test still
-# runs every assertion and reports XPASS where the kill leaves nothing to replay.
-@pytest.mark.xfail(reason="replaying a round from its checkpoint is not bit-exact on the CPU (open bug)", strict=False)
 def test_sigkill_at_a_random_moment_then_rerun_equals_uninterrupted(tmp_path, base_manifest):
     """`ggpo stage online` killed -9 at a random moment (inside a random round, rounds of N = 2,
     a checkpoint every 2 rounds, policies at updates 3, 6, 9, 12, 15 and 16), then run again:
@@ -232,6 +226,33 @@ def test_sigkill_at_a_random_moment_then_rerun_equals_uninterrupted(tmp_path, ba
     assert killed.load("online_train", last).summary["cumulative_prompts"] == \
         straight.load("online_train", last).summary["cumulative_prompts"]
     assert not (state_folder(killed, cfg) / "pending").exists()
+
+
+def test_a_replayed_round_trains_at_the_cells_threads(tmp_path, base_manifest):
+    """A cell killed after round 1's pool was committed resumes from round 0's checkpoint and
+    replays round 1 from the cached pool before any engine exists (the engine, which also
+    sets the thread count, is built at the first round that samples). The CPU kernels split
+    their sums by thread, so the replay must run at model.threads as the live round did, not
+    at the process's default (one thread per core in a fresh `ggpo stage online`; 4 here):
+    the final policy is bit-identical. Cost: two 2-round cells of the tiny model (seconds)."""
+    cfg = cfg_of(**{"train.updates": 4, "online.checkpoint_every": 1})
+    straight = store_with_base(tmp_path / "straight", base_manifest)
+    run_cell(cfg, straight, base_manifest)
+    shutil.copytree(straight.root, tmp_path / "killed")
+    killed = Store(tmp_path / "killed")
+    shutil.rmtree(state_folder(killed, cfg) / "checkpoints" / "round-000001")
+    shutil.rmtree(killed.folder("online_train", graph.online_keys(cfg, 1)["online_train"]))
+    shutil.rmtree(killed.folder("online_policy", policy(cfg, killed).key))
+    threads, seen = torch.get_num_threads(), []
+    torch.set_num_threads(4)
+    try:
+        counts = run_cell(cfg, killed, base_manifest, on_round=lambda *_: seen.append(torch.get_num_threads())).counts
+    finally:
+        torch.set_num_threads(threads)
+    assert (counts["rounds_skipped"], counts["rounds_replayed"], counts["engine_starts"]) == (1, 1, 0)
+    a, b = weights(policy(cfg, straight)), weights(policy(cfg, killed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert seen == [cfg.model.threads] * 2
 
 
 @pytest.fixture(scope="module")
