@@ -148,6 +148,16 @@ def test_the_table_holds_finals_paired_intervals_stalls_and_diagnostics(tmp_path
     assert (stalled["diag_stopped"], stalled["diag_stopped_at"]) == (1, "4")
     assert "| cispo | N=4 | 2 of 3; 1 stopped at 4 | " in text and "| icepop | N=1 | 3 | " in text
     assert "mask_frac " in text and "clip_frac " in text
+    # the whole table's p-values, Holm-adjusted: against a float64 step-down over the same rows
+    tested = csv.filter(pl.col("p").is_not_null()).sort("p")
+    m, running, want = tested.height, 0.0, []
+    for j, p in enumerate(tested["p"].to_list()):
+        running = max(running, min(1.0, (m - j) * p))
+        want.append(running)
+    assert all(close(got, w) for got, w in zip(tested["p_holm"].to_list(), want)) and m == 6
+    settled = [f"{r['method']} {r['setting']}" for r in tested.filter(pl.col("p_holm") < 0.05).iter_rows(named=True)]
+    line = next(t for t in text.splitlines() if t.startswith(f"Of the {m} differences"))
+    assert line.endswith("none.") == (not settled)
 
 
 def test_records_from_before_the_new_columns_report_them_as_null(tmp_path):

@@ -8,6 +8,7 @@ incomplete beta and its inverse) sums series of up to ~64 terms, so terms = 64 f
 quantile, the p-value and whatever is built from them.
 """
 import math
+import random
 
 import mpmath as mp  # type: ignore[import-untyped]  # no stubs; tests only
 import pytest
@@ -147,3 +148,23 @@ def test_equal_differences_and_bad_input():
         stats.summary([0.1, float("nan")])
     with pytest.raises(ValueError, match="at least one seed"):
         stats.summary([])
+
+
+def test_holm_against_its_definition_in_exact_arithmetic():
+    """stats.holm against p_holm_(k) = min(1, max_{j <= k} (m - j + 1) p_(j)) in fractions,
+    over random p-values with ties and missing ones; None stays None and is not counted."""
+    from fractions import Fraction
+    rng = random.Random(7)
+    for _ in range(200):
+        ps = [None if rng.random() < 0.2 else rng.choice([rng.random(), 0.01, 0.5]) for _ in range(rng.randint(1, 12))]
+        got = stats.holm(ps)
+        present = sorted((Fraction(p), i) for i, p in enumerate(ps) if p is not None)
+        m, want = len(present), {}
+        for k in range(m):
+            want[present[k][1]] = min(Fraction(1), max((m - j) * present[j][0] for j in range(k + 1)))
+        for i, p in enumerate(ps):
+            if p is None:
+                assert got[i] is None
+            else:
+                assert abs(got[i] - float(want[i])) <= 4 * 2.0 ** -52 * max(float(want[i]), 1e-300) * m
+    assert stats.holm([0.01, 0.04, 0.03, 0.005, None]) == [0.03, 0.06, 0.06, 0.02, None]

@@ -12,7 +12,10 @@ t_ref=fixed"), or "offline". Each method at each setting is one cell over seeds.
 - Paired difference to GRPO+TIS (compare.paired_to_reference: `grpo_tis` where the
   experiment has it, else its first method): at each setting, each method's final minus
   the reference's, seed by seed (a seed's cells share its base model and the seeded prompt
-  order; offline also its pool), with the 95 % t-interval over seeds (n - 1 dof) and p.
+  order; offline also its pool), with the 95 % t-interval over seeds (n - 1 dof) and p;
+  and p_holm, the p-values adjusted over the whole table (stats.holm): 14 methods at five
+  settings are ~70 tests, ~3.5 of which exclude zero at 5 % by chance alone, so the
+  report names the differences that hold with the table's family-wise error at 5 %.
 - Mismatch diagnostics (mismatch.py) per method and setting, each seed averaged over one
   window common to every cell of its part (the last quarter of the shortest planned run),
   then mean ± std over seeds; online also the round drift.
@@ -106,8 +109,29 @@ def finals_table(seeds: pl.DataFrame) -> pl.DataFrame:
 
 def paired(seeds: pl.DataFrame) -> tuple[str, pl.DataFrame]:
     """(the reference, compare.paired_to_reference rows: method, point = setting, diff, low,
-    high, n, p, seeds, stalls, stalls_other)."""
-    return compare.paired_to_reference(seeds) if seeds.height else (compare.REFERENCE, pl.DataFrame())
+    high, n, p, seeds, stalls, stalls_other, and p_holm: p adjusted over every row of the
+    table, stats.holm, since the table tests each method at each setting at once)."""
+    if not seeds.height:
+        return compare.REFERENCE, pl.DataFrame()
+    ref, pairs = compare.paired_to_reference(seeds)
+    if pairs.height:
+        pairs = pairs.with_columns(p_holm=pl.Series(stats.holm(pairs["p"].to_list()), dtype=pl.Float64))
+    return ref, pairs
+
+
+def settled_text(pairs: pl.DataFrame, level: float = stats.LEVEL) -> str:
+    """The differences that exclude zero with the whole table's error held at 1 - level
+    (Holm), and how many of the per-row intervals exclude zero."""
+    tested = pairs.filter(pl.col("p").is_not_null())
+    alpha = 1.0 - level
+    row_wise = tested.filter(pl.col("p") < alpha).height
+    held = tested.filter(pl.col("p_holm") < alpha)
+    names = ", ".join(f"{title_of(r['method'])} at {r['point']} ({100.0 * r['diff']:+.2f}, Holm p "
+                      f"{stats.p_text(r['p_holm'])})" for r in held.iter_rows(named=True))
+    return (f"Of the {tested.height} differences, {row_wise} have p < {alpha:g} on their own (about "
+            f"{alpha * tested.height:.1f} would by chance if no difference were real); with the whole table's "
+            f"chance of a false exclusion held at {alpha:g} (Holm's adjustment over the {tested.height}): "
+            + (names if names else "none") + ".")
 
 
 def _pivot(rows: dict[tuple[str, str], str], methods: list[str], settings: list[str]) -> list[str]:
@@ -148,7 +172,8 @@ def markdown(seeds: pl.DataFrame, diag: pl.DataFrame, metric: str, base: float |
                                 "[95% t-interval, n - 1 dof] and the two-sided p of no difference; n where fewer "
                                 "seeds than the experiment's are in both cells. A stalled seed counts with its final "
                                 "at the stop (stalls above).", "",
-                                *_pivot(cells, [m for m in methods if m != ref], settings)]) + "\n")
+                                *_pivot(cells, [m for m in methods if m != ref], settings), "",
+                                settled_text(pairs)]) + "\n")
     if diag.height:
         ordered = diag.sort(pl.col("method").replace_strict({m: i for i, m in enumerate(methods)}, default=len(methods)),
                             pl.col("setting").replace_strict({s: i for i, s in enumerate(settings)},
@@ -175,7 +200,7 @@ def table(seeds: pl.DataFrame, diag: pl.DataFrame) -> pl.DataFrame:
                               reference=pl.lit(ref))
     if pairs.height:
         pairs = pairs.select("method", pl.col("point").alias("setting"), pl.col("diff"), pl.col("low").alias("diff_low"),
-                             pl.col("high").alias("diff_high"), pl.col("n").alias("diff_n"), "p")
+                             pl.col("high").alias("diff_high"), pl.col("n").alias("diff_n"), "p", "p_holm")
         out = out.join(pairs, on=["method", "setting"], how="left", maintain_order="left")
     if diag.height:
         out = out.join(diag.drop("seeds").rename({"stopped": "diag_stopped", "stopped_at": "diag_stopped_at",

@@ -25,6 +25,15 @@ Degenerate samples: n = 1 has a mean and nothing else (sd, interval and p are No
 tables print "n=1, no interval"); n = 0 raises. A spread of exactly 0 gives the interval
 [mean, mean] and p = 1 where the mean is 0, else p = 0 (the limit of t -> infinity).
 
+Many comparisons at once (`holm`): a table of m paired differences, each tested at 5 %,
+excludes zero by chance in ~0.05 m of them when no difference is real. Holm's step-down
+adjustment keeps the chance of any false exclusion in the whole table at the level: with the
+p-values sorted p_(1) <= .. <= p_(m),
+
+    p_holm_(k) = min(1, max_{j <= k} (m - j + 1) p_(j))
+
+and a difference is settled at the table's level where p_holm < level's complement (0.05).
+
 Stalls: a seed whose online cell stopped before its last update (a round that could not fill
 its pool, or the drift guard) stalled; a cell reports k/n. A cell is bimodal when some but not
 all of its seeds stalled (0 < k < n): its seeds then come from two regimes (a policy frozen at
@@ -169,3 +178,15 @@ def bimodal_k(k: int, n: int) -> bool:
 
 def bimodal(stopped: Iterable[bool]) -> bool:
     return stalls(stopped).bimodal
+
+
+def holm(p_values: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjusted p-values, in the order given (None stays None and is not
+    counted in m): p_holm_(k) = min(1, max_{j <= k} (m - j + 1) p_(j))."""
+    present = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    out: list[float | None] = [None] * len(p_values)
+    running, m = 0.0, len(present)
+    for j, (p, i) in enumerate(present):
+        running = max(running, min(1.0, (m - j) * p))
+        out[i] = running
+    return out
