@@ -47,3 +47,31 @@ def test_the_runners_workers_start_before_any_task():
         placement.spawn_workers(runner, 2)
         assert len(executor._processes) == 2
         assert all(p.is_alive() for p in executor._processes.values())
+
+
+def test_a_stop_request_after_the_runners_workers_are_gone_returns(monkeypatch):
+    """The runner's workers poll a shared flag, so a stop request of the flow process never
+    waits on them: with a multiprocessing Event, set() waited for every worker that had been
+    inside Event.wait when its pool shut down, and hung (a served process's Ctrl-C after a
+    flow ended; the full suite, in tests/test_store.py)."""
+    import threading
+
+    from pipeline.core import interrupt
+    from pipeline.dag import placement
+    monkeypatch.setattr(interrupt, "_listeners", [])
+    runner = placement.process_runner(2)
+    with runner:
+        placement.spawn_workers(runner, 2)
+        workers = list(runner._executor._processes.values())
+        assert len(workers) == 2
+    for p in workers:
+        p.join(60)
+    assert not any(p.is_alive() for p in workers)
+    returned: list[bool] = []
+    caller = threading.Thread(target=lambda: (interrupt.request(), returned.append(True)), daemon=True)
+    try:
+        caller.start()
+        caller.join(120)        # a safety net: the verdict is whether it returns at all
+        assert returned == [True], "interrupt.request() hung on the finished runner's workers"
+    finally:
+        interrupt.reset()

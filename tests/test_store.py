@@ -189,15 +189,12 @@ def test_threads_of_one_process_build_a_key_once(store):
     assert len(calls) == 1 and sorted(m.cache_hit for m in got) == [False, True]
 
 
-def test_a_waiting_run_stops_when_asked(store, tmp_path, monkeypatch):
+def test_a_waiting_run_stops_when_asked(store, tmp_path):
     """Ctrl-C while waiting for another process's build: Interrupted, nothing built."""
     import threading
 
     from pipeline.core import interrupt
     from pipeline.core.errors import Interrupted
-    # this process's stop request alone: a listener an earlier test's process runner left
-    # registered would pass it on to that runner's (finished) workers
-    monkeypatch.setattr(interrupt, "_listeners", [])
     calls, cfg = [], load_config("smoke")
     holder = start_holder(store, tmp_path / "go")
     errors = []

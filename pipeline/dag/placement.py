@@ -158,14 +158,20 @@ _forget_previous_runner: list[Callable[[], None]] = [lambda: None]
 
 def process_runner(workers: int) -> TaskRunner:
     """Prefect's ProcessPoolTaskRunner with `workers` spawned processes that act for this one:
-    its folder, its logging, its stop requests (`interrupt.on_request` sets an event each
-    worker watches) and its life (a worker whose flow process is gone exits)."""
+    its folder, its logging, its stop requests (`interrupt.on_request` sets a shared flag each
+    worker polls) and its life (a worker whose flow process is gone exits)."""
     import multiprocessing
 
     from prefect.task_runners import ProcessPoolTaskRunner
-    stop = multiprocessing.get_context("spawn").Event()
+    # A lock-free byte, not a multiprocessing Event: Event.set() waits for every waiter to
+    # wake, and a worker that exited inside Event.wait (every worker, when its pool shuts
+    # down) never does, so a later stop request of this process hung in set().
+    stop = multiprocessing.get_context("spawn").RawValue("b", 0)
+
+    def request_stop() -> None:
+        stop.value = 1
     _forget_previous_runner[0]()        # one listener: the newest runner's (a served process runs many flows)
-    _forget_previous_runner[0] = interrupt.on_request(stop.set)
+    _forget_previous_runner[0] = interrupt.on_request(request_stop)
     # the CLI drops Prefect's tracebacks of expected errors unless --debug: the workers too
     quiet = drop_expected_traceback in logging.getLogger("prefect.task_runs").filters
     return ProcessPoolTaskRunner(max_workers=workers, initializer=process_worker_setup,
@@ -179,6 +185,7 @@ def process_worker_setup(parent: int, workdir: str, stop, quiet: bool = True) ->
     ends the worker when its flow process is gone (killed: nothing else would)."""
     import signal
     import threading
+    import time
 
     os.setpgrp()
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # requests come through `stop`
@@ -191,8 +198,9 @@ def process_worker_setup(parent: int, workdir: str, stop, quiet: bool = True) ->
 
     def watch() -> None:
         while os.getppid() == parent:
-            if stop.wait(0.5) and not interrupt.requested():
+            if stop.value and not interrupt.requested():
                 interrupt.request()
+            time.sleep(0.5)
         os._exit(1)         # the flow process is gone: so is every reason to go on
 
     threading.Thread(target=watch, name="ggpo-worker-watch", daemon=True).start()
