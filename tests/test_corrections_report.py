@@ -254,3 +254,21 @@ def test_ggpo_run_and_report_take_the_corrections_flow(tmp_path, capsys, monkeyp
     out = capsys.readouterr().out
     assert "nothing evaluated yet for this experiment: run it with `ggpo run corrections --preset corrections`" in out
     assert "ggpo-online" in out
+
+
+def test_a_method_identical_to_the_reference_on_every_seed_is_not_a_test(tmp_path, monkeypatch):
+    """IcePop at N = 1 given GRPO+TIS's finals seed for seed (its rule never fired): the
+    cell says so, its p is null and Holm's family leaves it out; a difference that is 0 on
+    average but not seed by seed stays a test."""
+    monkeypatch.setitem(FINALS, ("icepop", "N=1"), dict(FINALS[("grpo_tis", "N=1")]))
+    monkeypatch.setitem(FINALS, ("cispo", "offline"), {42: 0.12, 1234: 0.11, 2027: 0.13})    # mean 0, sd > 0
+    on_evals, on_curves, off_evals, off_curves = corrections_cache(tmp_path / "cache")
+    text, _, csv = corrections.write(on_evals, on_curves, off_evals, off_curves, tmp_path / "report", "mean@8")
+    row = csv.filter((pl.col("method") == "icepop") & (pl.col("setting") == "N=1")).row(0, named=True)
+    assert row["identical"] is True and row["p"] is None and row["p_holm"] is None and row["diff"] == 0.0
+    paired_table = text.split("Paired difference")[1]
+    assert "| IcePop (`icepop`) | identical on every seed | " in paired_table
+    zero = csv.filter((pl.col("method") == "cispo") & (pl.col("setting") == "offline")).row(0, named=True)
+    assert zero["identical"] is False and zero["p"] is not None and abs(zero["diff"]) < 1e-12
+    assert csv.filter(pl.col("identical"))["method"].to_list() == ["icepop"]
+    assert any(t.startswith("Of the 5 differences") for t in text.splitlines())      # 6 tested less the identical one

@@ -109,12 +109,18 @@ def finals_table(seeds: pl.DataFrame) -> pl.DataFrame:
 
 def paired(seeds: pl.DataFrame) -> tuple[str, pl.DataFrame]:
     """(the reference, compare.paired_to_reference rows: method, point = setting, diff, low,
-    high, n, p, seeds, stalls, stalls_other, and p_holm: p adjusted over every row of the
-    table, stats.holm, since the table tests each method at each setting at once)."""
+    high, n, p, seeds, stalls, stalls_other; `identical`: every seed's difference is exactly
+    0, so there is nothing to test (no t statistic; p None); and p_holm: p adjusted over every
+    other row of the table, stats.holm, since the table tests each method at each setting at
+    once). Identical rows are common: a correction whose rule never fires trains bit for bit
+    as the reference does (IcePop online, whose engine ratio never leaves its band)."""
     if not seeds.height:
         return compare.REFERENCE, pl.DataFrame()
     ref, pairs = compare.paired_to_reference(seeds)
     if pairs.height:
+        identical = (pl.col("n") >= 2) & (pl.col("diff") == 0.0) & (pl.col("sd") == 0.0)
+        pairs = pairs.with_columns(identical=identical.fill_null(False))
+        pairs = pairs.with_columns(p=pl.when(pl.col("identical")).then(None).otherwise(pl.col("p")))
         pairs = pairs.with_columns(p_holm=pl.Series(stats.holm(pairs["p"].to_list()), dtype=pl.Float64))
     return ref, pairs
 
@@ -165,13 +171,16 @@ def markdown(seeds: pl.DataFrame, diag: pl.DataFrame, metric: str, base: float |
         for r in pairs.iter_rows(named=True):
             p = f"; p {stats.p_text(r['p'])}" if r["p"] is not None else ""
             n = f"; n={r['n']}" if r["n"] != n_seeds else ""
-            cells[(r["method"], r["point"])] = compare.difference_text(r, 100.0) + p + n
+            text = "identical on every seed" if r["identical"] else compare.difference_text(r, 100.0) + p
+            cells[(r["method"], r["point"])] = text + n
         parts.append("\n".join([f"Paired difference to {title_of(ref)} (`{ref}`) in final accuracy (percentage "
                                 "points): each method minus it at the same setting, seed by seed (a seed's cells share "
                                 "its base model and the seeded prompt order, offline also its pool); mean difference "
                                 "[95% t-interval, n - 1 dof] and the two-sided p of no difference; n where fewer "
                                 "seeds than the experiment's are in both cells. A stalled seed counts with its final "
-                                "at the stop (stalls above).", "",
+                                "at the stop (stalls above). Identical on every seed: the reference's final accuracy "
+                                "on each seed to the last digit (typically a rule that never fired: its share in the "
+                                "mismatch table); not a test, and left out of the count below.", "",
                                 *_pivot(cells, [m for m in methods if m != ref], settings), "",
                                 settled_text(pairs)]) + "\n")
     if diag.height:
@@ -191,7 +200,7 @@ WINDOW_NOTE = (" Online cells over the last quarter of the shortest planned run,
 def table(seeds: pl.DataFrame, diag: pl.DataFrame) -> pl.DataFrame:
     """corrections.csv: one row per method and setting: title, final (mean, std, low, high,
     seeds, stalled), the paired difference to the reference (diff, diff_low, diff_high,
-    diff_n, p, reference) and the diagnostics with their `_std`."""
+    diff_n, identical, p, p_holm, reference) and the diagnostics with their `_std`."""
     if not seeds.height:
         return pl.DataFrame()
     finals = finals_table(seeds).rename({"text": "final_text", "update": "final_update"})
@@ -200,7 +209,8 @@ def table(seeds: pl.DataFrame, diag: pl.DataFrame) -> pl.DataFrame:
                               reference=pl.lit(ref))
     if pairs.height:
         pairs = pairs.select("method", pl.col("point").alias("setting"), pl.col("diff"), pl.col("low").alias("diff_low"),
-                             pl.col("high").alias("diff_high"), pl.col("n").alias("diff_n"), "p", "p_holm")
+                             pl.col("high").alias("diff_high"), pl.col("n").alias("diff_n"), "identical", "p",
+                             "p_holm")
         out = out.join(pairs, on=["method", "setting"], how="left", maintain_order="left")
     if diag.height:
         out = out.join(diag.drop("seeds").rename({"stopped": "diag_stopped", "stopped_at": "diag_stopped_at",
