@@ -212,3 +212,27 @@ def shell(tmp_path, base_manifest):
 
 def state(env: dict) -> dict:
     return json.loads((Path(env["GGPO_HOME"]) / "services.json").read_text())
+
+
+def prefect_dies_mid_training(shell: dict, sets: list[str], deployment: bool = False):
+    """`ggpo run offline --preset smoke` with `sets` (one grpo training, seed 12), as
+    `python -m pipeline.cli` from this checkout: SIGTERM to the Prefect server's process
+    group (as a crash or a redeploy would) once the training's first checkpoint exists;
+    returns the running command's process (tests/test_bad_day_prefect.py, test_serve_outage.py)."""
+    import signal
+    import time
+
+    from pipeline.core.config import load_config
+    from pipeline.core.store import Store
+    from pipeline.dag import graph
+    cfg = load_config("smoke", sets + ["train.method=grpo", "seed=12"])
+    ckpt = Store().folder("train", graph.expected_key("train", cfg)) / "checkpoints"
+    argv = [sys.executable, "-m", "pipeline.cli", "run", "offline", "--preset", "smoke"]
+    argv += [a for s in sets for a in ("--set", s)] + (["--deployment"] if deployment else [])
+    proc = subprocess.Popen(argv, cwd=REPO, env=shell, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 900           # a safety net for a hung run, not a verdict
+    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(state(shell)["pids"]["prefect"], signal.SIGTERM)     # the server, mid-training
+    return proc

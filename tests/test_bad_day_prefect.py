@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, api, state
+from conftest import REPO, api, prefect_dies_mid_training, state
 
 GGPO = [sys.executable, "-m", "pipeline.cli"]
 UPDATES = 48
@@ -33,19 +33,9 @@ def newest_file(*folders: Path) -> float:
 
 @pytest.mark.servers
 def test_prefect_server_dying_mid_training_costs_one_warning(shell):
-    from pipeline.core.config import load_config
     from pipeline.core.store import Store
-    from pipeline.dag import graph
-    cfg = load_config("smoke", SETS + ["train.method=grpo", "seed=12"])
     store = Store()
-    ckpt = store.folder("train", graph.expected_key("train", cfg)) / "checkpoints"
-    argv = GGPO + ["run", "offline", "--preset", "smoke"] + [a for s in SETS for a in ("--set", s)]
-    proc = subprocess.Popen(argv, cwd=REPO, env=shell, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 900           # a safety net for a hung run, not a verdict
-    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert proc.poll() is None, proc.communicate()
-    os.killpg(state(shell)["pids"]["prefect"], signal.SIGTERM)     # the server, mid-training
+    proc = prefect_dies_mid_training(shell, SETS)
     out, err = proc.communicate(timeout=1800)   # a safety net, not a verdict
     exited = time.time()
     assert proc.returncode == 0, err[-4000:]

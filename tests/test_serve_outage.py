@@ -7,9 +7,7 @@ Commands run as `python -m pipeline.cli` from the repository (this checkout's co
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, api, state
+from conftest import REPO, api, prefect_dies_mid_training, state
 
 GGPO = [sys.executable, "-m", "pipeline.cli"]
 # its own train key (test_bad_day_prefect trains 48 updates of seed 12): the fault lands mid-training
@@ -27,19 +25,8 @@ SETS = ["experiment.seeds=[12]", "experiment.methods=[grpo]", "train.updates=40"
 
 @pytest.mark.servers
 def test_a_deployment_run_survives_its_prefect_server_dying(shell):
-    from pipeline.core.config import load_config
-    from pipeline.core.store import Store
-    from pipeline.dag import graph
-    cfg = load_config("smoke", SETS + ["train.method=grpo", "seed=12"])
-    ckpt = Store().folder("train", graph.expected_key("train", cfg)) / "checkpoints"
     home = Path(shell["GGPO_HOME"])
-    argv = GGPO + ["run", "offline", "--preset", "smoke", "--deployment"] + [a for s in SETS for a in ("--set", s)]
-    watcher = subprocess.Popen(argv, cwd=REPO, env=shell, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 900           # a safety net for a hung run, not a verdict
-    while not ckpt.exists() and watcher.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert watcher.poll() is None, watcher.communicate()
-    os.killpg(state(shell)["pids"]["prefect"], signal.SIGTERM)     # the server, mid-training
+    watcher = prefect_dies_mid_training(shell, SETS, deployment=True)
     out, err = watcher.communicate(timeout=600)
     # the watching command cannot watch any more: one line, and the run is not its to end
     assert watcher.returncode == 2 and "stopped answering while this command watched" in err, err[-3000:]
