@@ -14,8 +14,9 @@ t_ref=fixed"), or "offline". Each method at each setting is one cell over seeds.
   the reference's, seed by seed (a seed's cells share its base model and the seeded prompt
   order; offline also its pool), with the 95 % t-interval over seeds (n - 1 dof) and p;
   and p_holm, the p-values adjusted over the whole table (stats.holm): 14 methods at five
-  settings are ~70 tests, ~3.5 of which exclude zero at 5 % by chance alone, so the
-  report names the differences that hold with the table's family-wise error at 5 %.
+  settings are up to 70 tests, ~3.5 of which exclude zero at 5 % by chance alone, so the
+  report names the differences that hold with the table's family-wise error at 5 %. A
+  method identical to the reference on every seed is no test and leaves the family.
 - Mismatch diagnostics (mismatch.py) per method and setting, each seed averaged over one
   window common to every cell of its part (the last quarter of the shortest planned run),
   then mean ± std over seeds; online also the round drift.
@@ -118,9 +119,8 @@ def paired(seeds: pl.DataFrame) -> tuple[str, pl.DataFrame]:
         return compare.REFERENCE, pl.DataFrame()
     ref, pairs = compare.paired_to_reference(seeds)
     if pairs.height:
-        identical = (pl.col("n") >= 2) & (pl.col("diff") == 0.0) & (pl.col("sd") == 0.0)
-        pairs = pairs.with_columns(identical=identical.fill_null(False))
-        pairs = pairs.with_columns(p=pl.when(pl.col("identical")).then(None).otherwise(pl.col("p")))
+        identical = ((pl.col("n") >= 2) & (pl.col("diff") == 0.0) & (pl.col("sd") == 0.0)).fill_null(False)
+        pairs = pairs.with_columns(identical=identical, p=pl.when(identical).then(None).otherwise(pl.col("p")))
         pairs = pairs.with_columns(p_holm=pl.Series(stats.holm(pairs["p"].to_list()), dtype=pl.Float64))
     return ref, pairs
 
