@@ -9,7 +9,8 @@ ratio new / old of the medians and, with `--cells`, cells per hour.
     .venv/bin/python benchmarks/ladder_side_by_side.py --old ../ggpo-f1fbc09 [--reps 1]
 
 `--old` is a checkout with its environment built (git worktree add ../ggpo-f1fbc09 f1fbc09,
-then `make install` there). Without it both sides run this checkout and `--old-set` says
+then `make install` there, or a link to this checkout's .venv: each side runs with its own
+checkout first on PYTHONPATH). Without it both sides run this checkout and `--old-set` says
 what the old side ran differently (a schedule the new preset changed), e.g. the corrections
 table's two cuts (evaluation at the end only, the round drift every 4th round) on a subset
 of its cells:
@@ -38,7 +39,9 @@ def run_once(checkout: Path, argv: list[str]) -> tuple[float, float]:
     """(wall seconds, CPU seconds of the run and its children) of one command from an empty cache."""
     with tempfile.TemporaryDirectory(prefix="ggpo-ladder-") as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
-        env |= {"GGPO_CACHE": f"{tmp}/cache", "GGPO_HOME": f"{tmp}/home"}
+        # the checkout's own code first: an environment installed editable from another
+        # checkout (a linked .venv) would otherwise import that checkout's packages
+        env |= {"GGPO_CACHE": f"{tmp}/cache", "GGPO_HOME": f"{tmp}/home", "PYTHONPATH": str(checkout)}
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         res = subprocess.run([str(checkout / ".venv" / "bin" / "ggpo"), *argv], cwd=checkout, env=env,

@@ -393,3 +393,36 @@ def test_torchrun_ranks_wait_for_rank_0_on_a_cpu_group_sized_from_the_round(monk
     online_cell.barrier(cell)
     assert made == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=seconds)}]
     assert waited == [("the cell's gloo group", {})]
+
+
+def test_the_step_anchor_read_from_the_first_update_changes_nothing(tmp_path, base_manifest, monkeypatch):
+    """GRPO+TIS at N = 2 (a PPO clip against lp_old): the step's first update's micro-batch is
+    the anchor's first one, so its anchor comes from that update's own forward
+    (train.anchor_reuse); the weights of every round and the metrics equal, byte for byte,
+    those of a cell that computes the whole anchor apart, with half the anchor's forwards."""
+    from pipeline.training import loop
+    calls = {"anchor": 0}
+    real = loop.policy_logprobs
+
+    def counted(model, batch, rt, temperature, with_entropy=False, device=None):
+        calls["anchor"] += not torch.is_grad_enabled() and model.training
+        return real(model, batch, rt, temperature, with_entropy, device)
+    monkeypatch.setattr(loop, "policy_logprobs", counted)
+    runs = {}
+    for reuse in (True, False):
+        cfg = cfg_of(**{"train.updates": 4, "train.anchor_reuse": reuse, "train.groups_per_update": 2,
+                        "train.micro_batch_groups": 2})
+        store = store_with_base(tmp_path / str(reuse), base_manifest)
+        calls["anchor"] = 0
+        run_cell(cfg, store, base_manifest)
+        runs[reuse] = (store, cfg, calls["anchor"])
+    (on, cfg, n_on), (off, _, n_off) = runs[True], runs[False]
+    a, b = weights(policy(cfg, on)), weights(policy(cfg, off))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for r in range(2):
+        key = graph.online_keys(cfg, r)["online_train"]
+        mine, theirs = on.load("online_train", key), off.load("online_train", key)
+        assert {**mine.summary, "train_seconds": 0} == {**theirs.summary, "train_seconds": 0}
+        assert pl.read_parquet(mine.path("metrics")).drop("seconds").equals(
+            pl.read_parquet(theirs.path("metrics")).drop("seconds"))
+    assert (n_on, n_off) == (2, 4)      # 2 rounds x 2 micro-batches apart, 1 of them read from the update

@@ -170,6 +170,10 @@ class TrainConfig(Section):
     # faster there); off = one padded batch per micro-batch
     packing: Literal["auto", "on", "off"] = "auto"
     reference_cache: bool = True     # reference log-probs once per group per reference window
+    # the step anchor (lp_old) of a micro-batch that the step's first update also runs, exactly
+    # as batched, read from that update's own forward (same weights, same input: the same bits
+    # on the CPU, a test checks it) instead of a second forward; false computes it apart
+    anchor_reuse: bool = True
     checkpoint_every: int = Field(10, ge=1)
     diagnostics_block: int = Field(8, ge=1)     # updates per sequence-ESS block (spec 9)
     eval_every: int | None = None               # also snapshot the policy every this many updates
@@ -483,9 +487,10 @@ class PipelineConfig(Section):
 
 # Placement, not content: fields that say where or how a stage runs, not what it computes
 # (nproc=2 and packed micro-batches give nproc=1's padded result up to float reduction
-# order; the reference cache gives it exactly). Never in a key or a manifest's config, so
+# order; the reference cache and the anchor's reuse give it exactly). Never in a key or a manifest's config, so
 # existing keys stay and a run can resume under another placement.
-KEY_EXCLUDE = ("train.nproc", "train.nnodes", "train.rdzv_endpoint", "train.packing", "train.reference_cache")
+KEY_EXCLUDE = ("train.nproc", "train.nnodes", "train.rdzv_endpoint", "train.packing", "train.reference_cache",
+               "train.anchor_reuse")
 
 
 def preset_names() -> list[str]:

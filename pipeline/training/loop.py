@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from pipeline.core import interrupt
 from pipeline.core.config import PipelineConfig, TrainConfig
-from pipeline.core.errors import DiskFull, NonFiniteUpdate
+from pipeline.core.errors import DiskFull, NonFiniteUpdate, TrainingError
 from pipeline.core.store import disk_full, is_disk_full
 from pipeline.models.hf import load_model
 from pipeline.models.runtime import Runtime, make_runtime
@@ -101,12 +101,18 @@ class TrainContext:
 
 
 @torch.no_grad()
-def step_anchor(model, ctx: TrainContext, groups: list[int]) -> dict[int, torch.Tensor]:
+def step_anchor(model, ctx: TrainContext, groups: list[int], first: list[int] | None = None) -> dict[int, torch.Tensor]:
     """lp_old (spec 8.1): the trainer's log-probs of a step's groups at the step start,
-    {group: [m, T_g]} on the training device."""
+    {group: [m, T_g]} on the training device. `first`: the step's first update's groups;
+    an anchor micro-batch that is also one of that update's micro-batches (the same groups
+    in the same order: the same input) is left out here and read from the update's own
+    forward, on the same weights (`anchor_from_update`; train.anchor_reuse)."""
     out: dict[int, torch.Tensor] = {}
     rt = ctx.rt
+    reused = reused_chunks(ctx, first)
     for chunk, real in my_micro_batches(ctx.pool, sorted(set(groups)), ctx.tc, rt.packed):
+        if tuple(chunk) in reused:
+            continue
         lp, _ = policy_logprobs(model, ctx.batch(chunk), rt, ctx.temperature)
         if real:
             out |= group_rows(lp, ctx.pool, chunk)
@@ -115,6 +121,30 @@ def step_anchor(model, ctx: TrainContext, groups: list[int]) -> dict[int, torch.
         return out
     parts = d.gather({g: t.cpu() for g, t in out.items()})
     return {g: t.to(rt.device) for part in parts for g, t in part.items()}
+
+
+def reused_chunks(ctx: TrainContext, first: list[int] | None) -> set[tuple[int, ...]]:
+    """The first update's micro-batches whose anchor its own forward gives (step_anchor).
+    Why it is exact: lp_old is the policy's log-probs at the step start, and the step's first
+    update runs the policy at the step-start weights on the same batch (dropout off, the same
+    kernels with or without autograd: tests/test_train.py compares the weights byte for byte
+    with train.anchor_reuse off). Not under torchrun (every rank runs the anchor's micro-batches
+    in lockstep) and not when off."""
+    if first is None or not ctx.tc.anchor_reuse or distributed.current() is not None:
+        return set()
+    return {tuple(c) for c in micro_batches(ctx.pool, first, ctx.tc, ctx.rt.packed)}
+
+
+def anchor_from_update(st: TrainState, ctx: TrainContext, groups: list[int], lp: torch.Tensor) -> None:
+    """st.lp_old for `groups`, a micro-batch of the step's first update that step_anchor left
+    out, read from that update's forward `lp` [G * m, T] (before any step: the step-start
+    weights). A group missing later in a step is a bug, never filled from moved weights."""
+    if st.lp_old is None or all(g in st.lp_old for g in groups):
+        return
+    if st.update % ctx.tc.updates_per_step != 0:
+        raise TrainingError(f"update {st.update + 1}: the step anchor lacks groups {[g for g in groups if g not in st.lp_old]}"
+                            " after the step's first update")
+    st.lp_old |= group_rows(lp.detach(), ctx.pool, groups)
 
 
 def my_micro_batches(pool: Pool, groups: list[int], tc: TrainConfig, packed: bool = False
@@ -145,6 +175,8 @@ def micro_batch_loss(st: TrainState, ctx: TrainContext, groups: list[int], t_tot
     lp_old = st.lp_old if tc.needs_step_anchor() else None
     b = ctx.batch(groups)
     lp, entropy = policy_logprobs(st.model, b, rt, ctx.temperature, with_entropy=True)
+    if lp_old is not None:
+        anchor_from_update(st, ctx, groups, lp)
     shape = (len(groups), pool.group_size, b.mask.shape[1])
 
     def stacked(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -361,7 +393,7 @@ def run_updates(st: TrainState, ctx: TrainContext, stop: int, after_update=None)
                 if interrupt.requested() and distributed.current() is None:
                     raise interrupt.Interrupted("between updates")
                 if tc.needs_step_anchor() and u % tc.updates_per_step == 0:
-                    st.lp_old = step_anchor(st.model, ctx, step_groups_of(u))
+                    st.lp_old = step_anchor(st.model, ctx, step_groups_of(u), first=groups_of(u))
                 row = one_update(st, ctx, groups_of(u))
             except interrupt.Interrupted:
                 # the state after the last complete update: a rerun resumes exactly there
