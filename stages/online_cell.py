@@ -74,6 +74,7 @@ from pipeline.training import checkpoint, distributed
 from pipeline.training.loop import TrainState, new_state, reference_refreshed, resume, save_policy
 from pipeline.training.torchrun import last_error, rank_setup, torchrun_argv
 from stages import online_policy, online_pool, online_train
+from stages.online_round import RoundStart
 
 log = logging.getLogger("ggpo")
 STATE = "online_cell"       # the state folder's name: <cache root>/online_cell-<key16>/
@@ -128,7 +129,7 @@ class CellRun:
     # from memory instead of reading the file back; replayed rounds read the file
     sampled: tuple[str, Any] | None = None
     counts: dict = field(default_factory=lambda: {"engine_starts": 0, "rounds_sampled": 0, "rounds_replayed": 0,
-                                                  "rounds_skipped": 0, "checkpoints_written": 0})
+                                                  "rounds_shared": 0, "rounds_skipped": 0, "checkpoints_written": 0})
     rounds: list[CellRound] = field(default_factory=list)      # the finished rounds' artifacts, in order
     policies: dict[int, Manifest] = field(default_factory=dict)     # update -> online_policy written or found
 
@@ -346,7 +347,17 @@ def sampler_share(cfg: PipelineConfig, model, rt: Runtime) -> float | None:
 
 def sync_and_sample(cell: CellRun, weights: list, cfg_r: PipelineConfig, policy: Manifest) -> Manifest:
     """The engine (built once per cell, on its first round that samples, with its planned
-    share of the GPU) synced to `weights`, then the round's pool."""
+    share of the GPU) synced to `weights`, then the round's pool; with online.share_pools,
+    a pool an earlier round of the same content built is copied, no engine synced."""
+    content = None
+    if cfg_r.online.share_pools:
+        content = online_pool.pool_content_key(cfg_r, cell.base.key, RoundStart.after(policy),
+                                               online_pool.weights_sha256(weights))
+        if online_pool.shared_pool(cell.store, content) is not None:
+            pool = run_stage(online_pool.SPEC, cfg_r, {"policy": policy}, cell.store,
+                             ctx=online_pool.Sampler(None, content=content, store=cell.store))
+            cell.counts["rounds_shared"] += 1
+            return pool
     if cell.engine is None:
         rc = cfg_r.rollout
         if cell.sampler_share is not None:
@@ -360,10 +371,12 @@ def sync_and_sample(cell: CellRun, weights: list, cfg_r: PipelineConfig, policy:
     t0 = time.perf_counter()
     cell.engine.load_weights(weights)
     cell.counts["sync_seconds"] = round(cell.counts.get("sync_seconds", 0.0) + time.perf_counter() - t0, 4)
-    sampler = online_pool.Sampler(cell.engine)
+    sampler = online_pool.Sampler(cell.engine, content=content, store=cell.store)
     pool = run_stage(online_pool.SPEC, cfg_r, {"policy": policy}, cell.store, ctx=sampler)
     cell.sampled = (pool.key, sampler.table) if sampler.table is not None else None
     cell.engine.sleep()
+    if content is not None and "shared_from" not in pool.summary:
+        online_pool.remember_pool(cell.store, content, pool.key)
     cell.counts["rounds_sampled"] += 1
     return pool
 

@@ -26,10 +26,26 @@ takes groups j*G_mb .. (j+1)*G_mb - 1) and `draws.parquet` (one row per drawn pr
 loader position, prompt id, successes, mixed, kept). The summary counts prompts drawn and
 responses generated, discarded groups and refill draws included (paper Figure 2), for this
 round and cumulatively.
+
+Shared pools (online.share_pools, off by default; the corrections preset's): a round's pool is
+a function of the sampler's weights, the base model the engine was built from, the round's
+start (index, update, cursor, counts) and the settings in this stage's key, not of which cell
+or method produced the weights. With sharing on, a cell keys the round by those
+(`pool_content_key`); when an earlier round in this store had the same content key, the
+build copies that pool's files (`copy_pool`, the bytes sampling would write again: the draw
+is deterministic) instead of sampling. Cells whose policies are bit-identical share their
+pools this way (the corrections table's IcePop, M2PO and decoupled PPO online, whose rules
+masked nothing, are GRPO+TIS's rounds; CISPO, GSPO and TOPR at N = 1 one another's). The
+artifact keeps its own key and its own `policy` input, so nothing downstream changes; its
+summary names the source (`shared_from`) and has no sampling seconds.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,13 +53,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pyarrow as pa
+import torch
 
 from pipeline.core.config import PipelineConfig
-from pipeline.core.errors import RefillError
+from pipeline.core.errors import RefillError, TrainingError
 from pipeline.core.schemas import TRAIN_POOL, typed_table, write_parquet
 from pipeline.core.seeding import derive_seed, permutation
-from pipeline.core.store import Manifest
-from pipeline.dag.spec import Built, StageSpec
+from pipeline.core.store import Manifest, Store, write_text_atomic
+from pipeline.dag.spec import Built, StageSpec, key_for
 from pipeline.models.engines import SamplingParams
 from pipeline.services import progress
 from pipeline.tasks import catalog
@@ -140,13 +157,74 @@ def loader_positions(start: int, n: int, n_prompts: int, seed: int) -> list[int]
 class Sampler:
     """What an online cell hands its round's pool build: the resident engine, synced to the
     round's policy. The build leaves the pool's table here (`table`: TRAIN_POOL, cast as
-    written) so training takes it in memory while the artifact holds the same rows."""
+    written) so training takes it in memory while the artifact holds the same rows.
+    `content`, `store`: the round's content key and the store whose index it is looked up
+    in (online.share_pools; None: always sample). `engine` is None only when the cell found
+    the round's pool shared before syncing one."""
     engine: Any
     table: pa.Table | None = None
+    content: str | None = None
+    store: Store | None = None
+
+
+SHARED = ".pool-content"    # in the store's root: one small file per content key, holding a pool's key
+
+
+def weights_sha256(weights: list[tuple[str, torch.Tensor]]) -> str:
+    """sha256 of named tensors (names, dtypes, shapes, bytes), in name order."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(weights, key=lambda nt: nt[0]):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes())     # bf16 has no numpy type: its bytes
+    return h.hexdigest()
+
+
+def pool_content_key(cfg: PipelineConfig, base_key: str, start: RoundStart, weights: str) -> str:
+    """What a round's pool is a function of: this stage's key with its `policy` input (which
+    cell's chain, which round) replaced by the sampler's weights (`weights`: their sha256),
+    the base model the engine was built from (tokenizer, config) and the round's start."""
+    start_sha = hashlib.sha256(json.dumps(dataclasses.asdict(start), sort_keys=True).encode()).hexdigest()
+    return key_for(SPEC, cfg, {"base": base_key, "start": start_sha, "weights": weights})
+
+
+def shared_pool(store: Store, content: str) -> Manifest | None:
+    """The intact pool built earlier under this content key, or None (none, gone or damaged:
+    then the round samples)."""
+    try:
+        key = (store.root / SHARED / content).read_text().strip()
+    except FileNotFoundError:
+        return None
+    source = store.load("online_pool", key)
+    return source if source is not None and not store.check(source) else None
+
+
+def remember_pool(store: Store, content: str, key: str) -> None:
+    """Index the pool `key` under its content key (atomically: never half written)."""
+    (store.root / SHARED).mkdir(exist_ok=True)
+    write_text_atomic(store.root / SHARED / content, key)
+
+
+def copy_pool(source: Manifest, folder: Path) -> Built:
+    """This round's files copied from `source`, whose round had the same content key: the
+    bytes sampling would write again. No sampling seconds; `shared_from` names the source."""
+    files = {}
+    for name in ("train_pool", "draws"):
+        entry = source.files[name]
+        shutil.copyfile(source.path(name), folder / entry.path)
+        files[name] = (entry.path, entry.rows)
+    summary = source.summary | {"generate_seconds": 0.0, "grade_seconds": 0.0, "grading_retries": 0,
+                                "grading_timeouts": 0, "shared_from": source.key}
+    return Built(files=files, summary=summary)
 
 
 def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, ctx: Sampler) -> Built:
     """The round's pool from the cell's engine (synced to this round's policy by the cell)."""
+    if ctx.content is not None and ctx.store is not None and (source := shared_pool(ctx.store, ctx.content)):
+        return copy_pool(source, folder)
+    if ctx.engine is None:
+        raise TrainingError(f"online_pool: the shared pool of content key {ctx.content[:16]} went away while the round "
+                            "was being built, and no engine was synced for it; rerun the cell (it samples the round)")
     rc, tc, at, engine = cfg.rollout, cfg.train, RoundStart.after(inputs["policy"]), ctx.engine
     r, need, per_draw = at.round, tc.updates_per_step * tc.groups_per_update, cfg.online.per_draw(cfg.train)
     problems = catalog.splits(cfg.task)["train"]

@@ -426,3 +426,31 @@ def test_the_step_anchor_read_from_the_first_update_changes_nothing(tmp_path, ba
         assert pl.read_parquet(mine.path("metrics")).drop("seconds").equals(
             pl.read_parquet(theirs.path("metrics")).drop("seconds"))
     assert (n_on, n_off) == (2, 4)      # 2 rounds x 2 micro-batches apart, 1 of them read from the update
+
+
+def test_a_round_whose_content_was_sampled_before_takes_that_pool(tmp_path, base_manifest):
+    """online.share_pools: two cells with different keys but the same content (t_ref 100 never
+    fires in 6 updates, so it trains as t_ref fixed does): the second samples nothing after
+    round 0 (which is shared by key anyway) and copies the first one's pools, byte for byte,
+    naming them; its final weights equal those of the same cell run alone without sharing.
+    A cell whose weights differ (another lr) shares nothing."""
+    share = {"train.updates": 6, "online.share_pools": True}
+    store = store_with_base(tmp_path / "shared", base_manifest)
+    first = run_cell(cfg_of(**share, **{"train.t_ref": "fixed"}), store, base_manifest)
+    second_cfg = cfg_of(**share, **{"train.t_ref": 100})
+    second = run_cell(second_cfg, store, base_manifest)
+    assert first.counts["rounds_sampled"] == 3 and first.counts["rounds_shared"] == 0
+    assert (second.counts["rounds_sampled"], second.counts["rounds_shared"], second.counts["rounds_replayed"]) == (0, 2, 1)
+    for r in (1, 2):
+        mine = store.load("online_pool", graph.online_keys(second_cfg, r)["online_pool"])
+        theirs = store.load("online_pool", graph.online_keys(cfg_of(**share, **{"train.t_ref": "fixed"}), r)["online_pool"])
+        assert mine.key != theirs.key and mine.summary["shared_from"] == theirs.key
+        assert {n: f.sha256 for n, f in mine.files.items()} == {n: f.sha256 for n, f in theirs.files.items()}
+        assert mine.summary["generate_seconds"] == 0.0 and mine.summary["prompt_cursor"] == theirs.summary["prompt_cursor"]
+    alone_cfg = cfg_of(**{"train.updates": 6, "train.t_ref": 100})
+    alone = store_with_base(tmp_path / "alone", base_manifest)
+    run_cell(alone_cfg, alone, base_manifest)
+    a, b = weights(policy(second_cfg, store)), weights(policy(alone_cfg, alone))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = run_cell(cfg_of(**share, **{"train.lr": 2 * second_cfg.train.lr}), store, base_manifest)
+    assert other.counts["rounds_shared"] == 0 and other.counts["rounds_sampled"] == 2

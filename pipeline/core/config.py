@@ -403,6 +403,12 @@ class OnlineConfig(Section):
     # at N = 2, 7.9% at N = 1 (benchmarks/drift_cost.py, smoke-online), ~1-2% at k = 4; the
     # testbed presets measure every round (their reports are about it). Not in a key
     drift_every: int = Field(4, ge=1)
+    # share pools between rounds whose sampler weights (sha256), base model, round start and
+    # pool settings are equal: the later one copies the earlier one's files instead of
+    # sampling (stages/online_pool.py "Shared pools"; bit-identical cells, e.g. the corrections
+    # table's). Costs a sha256 of the weights per round (the tiny model: ~2 ms; 3.4 GB at
+    # Qwen3-1.7B: seconds), so off by default. Not in a key: a shared pool is the same bytes
+    share_pools: bool = False
 
     # rounds between an online cell's rolling checkpoints (the last 2 are kept, and one at the
     # end); "auto": every ceil(16 / N) rounds, about one per 16 updates: at the paper's scale
