@@ -223,7 +223,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, ctx: S
     if ctx.content is not None and ctx.store is not None and (source := shared_pool(ctx.store, ctx.content)):
         return copy_pool(source, folder)
     if ctx.engine is None:
-        raise TrainingError(f"online_pool: the shared pool of content key {ctx.content[:16]} went away while the round "
+        raise TrainingError(f"online_pool: the shared pool of content key {(ctx.content or '')[:16]} went away while the round "
                             "was being built, and no engine was synced for it; rerun the cell (it samples the round)")
     rc, tc, at, engine = cfg.rollout, cfg.train, RoundStart.after(inputs["policy"]), ctx.engine
     r, need, per_draw = at.round, tc.updates_per_step * tc.groups_per_update, cfg.online.per_draw(cfg.train)

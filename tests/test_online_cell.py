@@ -454,3 +454,19 @@ def test_a_round_whose_content_was_sampled_before_takes_that_pool(tmp_path, base
     assert all(torch.equal(a[k], b[k]) for k in a)
     other = run_cell(cfg_of(**share, **{"train.lr": 2 * second_cfg.train.lr}), store, base_manifest)
     assert other.counts["rounds_shared"] == 0 and other.counts["rounds_sampled"] == 2
+
+
+def test_the_weights_hash_reads_every_byte_of_every_dtype():
+    """weights_sha256 (online.share_pools' content key): equal tensors give equal hashes in
+    fp32 and bf16; one changed element, a renamed tensor or another dtype of the same values
+    gives another."""
+    from stages.online_pool import weights_sha256
+    w = [("a", torch.arange(6, dtype=torch.float32).view(2, 3)), ("b", torch.ones(4))]
+    same = [(n, t.clone()) for n, t in reversed(w)]
+    assert weights_sha256(w) == weights_sha256(same)
+    bent = [("a", w[0][1].clone()), ("b", torch.ones(4))]
+    bent[0][1][1, 2] = torch.nextafter(bent[0][1][1, 2], torch.tensor(9.0))
+    renamed = [("c", w[0][1]), ("b", w[1][1])]
+    bf16 = [(n, t.to(torch.bfloat16)) for n, t in w]
+    hashes = {weights_sha256(x) for x in (w, bent, renamed, bf16)}
+    assert len(hashes) == 4 and weights_sha256(bf16) == weights_sha256([(n, t.clone()) for n, t in bf16])

@@ -127,7 +127,7 @@ def reused_chunks(ctx: TrainContext, first: list[int] | None) -> set[tuple[int, 
     """The first update's micro-batches whose anchor its own forward gives (step_anchor).
     Why it is exact: lp_old is the policy's log-probs at the step start, and the step's first
     update runs the policy at the step-start weights on the same batch (dropout off, the same
-    kernels with or without autograd: tests/test_train.py compares the weights byte for byte
+    kernels with or without autograd: tests/test_online_cell.py compares a cell byte for byte
     with train.anchor_reuse off). Not under torchrun (every rank runs the anchor's micro-batches
     in lockstep) and not when off."""
     if first is None or not ctx.tc.anchor_reuse or distributed.current() is not None:
