@@ -666,9 +666,10 @@ def main(argv: list[str] | None = None) -> None:
         result = run_cell(cfg, store, base)
         if d.is_main:
             write_text_atomic(Path(args.counts), json.dumps(result.counts))
-        d.barrier()
-    finally:
+    except BaseException:
         torch.distributed.destroy_process_group()
+        raise
+    distributed.finish(d)
 
 
 if __name__ == "__main__":

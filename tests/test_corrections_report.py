@@ -192,9 +192,9 @@ def test_the_report_says_so_before_any_final(tmp_path):
 def test_the_preset_runs_every_registered_method_on_the_ladder_three_seeds_and_the_pool():
     """corrections: 'all' is every method of the table (15 built in, 4 x 3 seeds each
     online: 180 cells; 45 offline trainings on the seeds' pools), and its sections are
-    tiny-regime's but for two schedules outside a round's key (evaluation at the end only,
-    the round drift every 4th round), so the four original methods' rounds have the
-    testbed's keys."""
+    tiny-regime's but for three settings outside a round's key (evaluation at the end only,
+    the round drift every 4th round, pools shared between bit-identical rounds), so the four
+    original methods' rounds have the testbed's keys."""
     from pipeline.core import methods
     from pipeline.dag import graph
     cfg = load_config("corrections")
@@ -202,11 +202,11 @@ def test_the_preset_runs_every_registered_method_on_the_ladder_three_seeds_and_t
     assert cfg.experiment.seeds == list(SEEDS) and cfg.experiment.grid == {"train.updates_per_step": [1, 4, 16, 64]}
     assert len(grid.cells(cfg)) == len(methods.names()) * 4 * 3
     assert len(grid.cells(corrections.offline_config(cfg))) == len(methods.names()) * 3
-    schedules = {"experiment": True, "train": {"eval_every"}, "online": {"drift_every"}}
+    schedules = {"experiment": True, "train": {"eval_every"}, "online": {"drift_every", "share_pools"}}
     testbed = load_config("tiny-regime")
     assert cfg.model_dump(exclude=schedules) == testbed.model_dump(exclude=schedules)
-    assert (cfg.train.eval_every, cfg.online.drift_every) == (None, 4)
-    assert (testbed.train.eval_every, testbed.online.drift_every) == (64, 1)
+    assert (cfg.train.eval_every, cfg.online.drift_every, cfg.online.share_pools) == (None, 4, True)
+    assert (testbed.train.eval_every, testbed.online.drift_every, testbed.online.share_pools) == (64, 1, False)
     ladder = grid.cells(load_config("tiny-regime", {"experiment.grid": {"train.updates_per_step": [1, 4, 16, 64]},
                                                     "experiment.seeds": list(SEEDS)}))
     ours = {(c.seed, c.label): c.config for c in grid.cells(cfg)}

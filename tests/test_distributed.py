@@ -111,7 +111,7 @@ if d.is_main:
     save_file({n: t.contiguous() for n, t in named}, sys.argv[2] + "/rank0.safetensors")
 with open(f"{sys.argv[2]}/rank{d.rank}.json", "w") as f:
     json.dump({"kept": len(named), "fsdp": distributed.is_sharded(model)}, f)
-torch.distributed.destroy_process_group()
+distributed.finish(d)
 '''
 
 

@@ -132,6 +132,21 @@ def init(device_setting: str) -> Dist:
     return _CURRENT
 
 
+def finish(d: Dist) -> None:
+    """A rank whose work is done and written: wait for the others, leave the process group
+    and exit 0 at once. Why `os._exit`: gloo's worker threads can still be joinable when
+    the interpreter finalizes, and their C++ destructors then call std::terminate
+    ("terminate called without an active exception", SIGABRT) after every byte was
+    written; torchrun reports that as a failed rank (pytorch#179291 describes the race).
+    Nothing is left to run at exit: every artifact is already renamed into place."""
+    import sys
+    d.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def mixed_precision(autocast_dtype: torch.dtype | None, fsdp_param_dtype: str):
     """FSDP's MixedPrecisionPolicy for the runtime's autocast dtype and train.fsdp_param_dtype:
     bf16 parameters only when asked for; otherwise none (fp32, the autocast does the rest)."""

@@ -29,7 +29,7 @@ from pipeline.core.errors import DiskFull, TrainingError
 from pipeline.models.hf import load_tokenizer
 from pipeline.services.servers import free_port
 from pipeline.training import checkpoint
-from pipeline.training.distributed import init
+from pipeline.training.distributed import finish, init
 from pipeline.training.loop import load_pool, train
 
 
@@ -113,9 +113,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         pool = load_pool(Path(args.pool), cfg.rollout.group_size, cfg.train)
         train(cfg, pool, args.base, load_tokenizer(args.base), Path(args.folder))
-        d.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    finish(d)
 
 
 if __name__ == "__main__":
