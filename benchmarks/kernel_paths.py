@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import os
 import statistics
@@ -41,15 +40,16 @@ PATHS = {"aten_default": {"ATEN_CPU_CAPABILITY": "default"}, "mkl_compatible": {
 
 
 def digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    """16 hex of the sha256 the shared pools hash sampler weights with (dtype, shape, bytes)."""
+    from stages.online_pool import weights_sha256
+
+    return weights_sha256([("", t)])[:16]
 
 
-def model_hashes(preset: str) -> dict[str, str]:
+def model_hashes(cfg) -> dict[str, str]:
     """sha256 (16 hex) of float32 logits and gradients and of bfloat16 logits, [8, 32] ids."""
-    from pipeline.core.config import load_config
     from pipeline.models.tiny_model import build_model, build_tokenizer
 
-    cfg = load_config(preset, [])
     vocab = len(build_tokenizer())
     model = build_model(cfg.model, vocab)
     ids = torch.randint(0, vocab, (8, 32), generator=torch.Generator().manual_seed(0))
@@ -62,12 +62,9 @@ def model_hashes(preset: str) -> dict[str, str]:
     return {"fp32_logits": digest(logits), "fp32_grads": digest(grads), "bf16_logits": digest(bf16_logits)}
 
 
-def linear_ratio(preset: str, reps: int = 5, calls: int = 200) -> float:
+def linear_ratio(cfg, reps: int = 5, calls: int = 200) -> float:
     """Median over alternated pairs of (bfloat16 Linear time) / (float32 Linear time) at the
     tiny model's MLP shape over the sampler's batch (group size rows times 8 prompts)."""
-    from pipeline.core.config import load_config
-
-    cfg = load_config(preset, [])
     rows = 8 * cfg.rollout.group_size
     layer = torch.nn.Linear(cfg.model.hidden_size, cfg.model.intermediate_size, bias=False)
     x = torch.randn(rows, cfg.model.hidden_size)
@@ -85,9 +82,9 @@ def linear_ratio(preset: str, reps: int = 5, calls: int = 200) -> float:
     return statistics.median(seconds(torch.bfloat16) / seconds(torch.float32) for _ in range(reps))
 
 
-def here(preset: str) -> dict:
+def here(cfg) -> dict:
     return {"capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
-            "hashes": model_hashes(preset), "bf16_over_fp32_linear": round(linear_ratio(preset), 2)}
+            "hashes": model_hashes(cfg), "bf16_over_fp32_linear": round(linear_ratio(cfg), 2)}
 
 
 def other_paths(preset: str, mine: dict) -> dict[str, list[str]]:
@@ -108,10 +105,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hashes-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
+    from pipeline.core.config import load_config
+
+    cfg = load_config(args.preset, [])
     if args.hashes_only:
-        print(json.dumps(model_hashes(args.preset)))
+        print(json.dumps(model_hashes(cfg)))
         return {}
-    result = here(args.preset)
+    result = here(cfg)
     print(f"kernels: {result['capability']} (torch {result['torch']}); a bfloat16 Linear takes "
           f"{result['bf16_over_fp32_linear']}x a float32 one here", flush=True)
     print("hashes:", " ".join(f"{k}={v}" for k, v in result["hashes"].items()), flush=True)

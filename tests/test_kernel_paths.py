@@ -6,6 +6,8 @@ import importlib.util
 
 import torch
 
+from pipeline.core.config import load_config
+
 from conftest import REPO
 
 
@@ -19,7 +21,8 @@ def load_script():
 
 def test_the_same_kernels_give_the_same_hashes_in_process_and_in_a_child(monkeypatch):
     kp = load_script()
-    first, again = kp.model_hashes("tiny-regime"), kp.model_hashes("tiny-regime")
+    cfg = load_config("tiny-regime", [])
+    first, again = kp.model_hashes(cfg), kp.model_hashes(cfg)
     assert first == again and set(first) == {"fp32_logits", "fp32_grads", "bf16_logits"}
     assert all(len(v) == 16 for v in first.values())
     # the machine's own capability named explicitly: the child takes the same kernels
@@ -28,8 +31,8 @@ def test_the_same_kernels_give_the_same_hashes_in_process_and_in_a_child(monkeyp
     assert kp.other_paths("tiny-regime", {"hashes": first}) == {"own": []}
 
 
-def test_a_result_that_differs_is_named():
+def test_a_result_that_differs_is_named(monkeypatch):
     kp = load_script()
     mine = {"hashes": dict.fromkeys(("fp32_logits", "fp32_grads", "bf16_logits"), "0" * 16)}
-    kp.PATHS = {"own": {}}
+    monkeypatch.setattr(kp, "PATHS", {"own": {}})
     assert kp.other_paths("tiny-regime", mine) == {"own": ["fp32_logits", "fp32_grads", "bf16_logits"]}

@@ -8,6 +8,7 @@ start cold (torch, transformers, Prefect and MLflow imports). Marked `servers` a
 """
 from __future__ import annotations
 
+import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,9 +41,8 @@ def cluster():
 
 def mlflow_runs(home) -> list[str]:
     """The run names of a store's MLflow experiment, the parent run's start minute
-    (" · 2026-12-04 13:21") cut: the two flows run at once and may start in different minutes."""
-    import re
-
+    (" · 2026-12-04 13:21", tracking.run_title) cut: the two flows run at once and may start
+    in different minutes."""
     from mlflow import MlflowClient
 
     from pipeline.services import tracking
