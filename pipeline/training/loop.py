@@ -185,7 +185,9 @@ def micro_batch_loss(st: TrainState, ctx: TrainContext, groups: list[int], t_tot
     lp_beh = stacked([pool.behavior(g) for g in groups]) if pool.has_behavior else None
     inputs = LossInputs(lp=lp.view(shape), lp_beh=lp_beh,
                         lp_ref=stacked(lp_ref), mask=b.mask.view(shape).to(rt.device),
-                        rewards=pool.rewards[groups].to(rt.device, torch.float32),
+                        # the pool's float64 rewards in the training precision, at least float32
+                        # (a float64 run computes its advantages in float64; never bf16)
+                        rewards=pool.rewards[groups].to(rt.device, torch.promote_types(lp.dtype, torch.float32)),
                         t_tot=float(t_tot), n_seq_tot=n_seq,
                         lp_old=None if lp_old is None else stacked([lp_old[g] for g in groups]))
     loss, metrics = ctx.loss(inputs, tc)
