@@ -229,6 +229,42 @@ def test_readme_opens_with_the_two_commands_and_cites_the_paper():
     assert (REPO / "LICENSE").exists() and (REPO / "CITATION.cff").exists()
 
 
+def readme_tree(text: str) -> list[str]:
+    """The folders README's first code block after the commands names, as paths
+    ("pipeline/core"), from its indented lines."""
+    block = split_code(text)[0][1]
+    folders, parent = [], ""
+    for line in block.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if not name.endswith("/"):
+            continue
+        if line.startswith("  "):
+            folders.append(parent + name.rstrip("/"))
+        else:
+            parent = name
+            folders.append(name.rstrip("/"))
+    return folders
+
+
+def test_readmes_first_screen_shows_the_house():
+    text = (REPO / "README.md").read_text()
+    head = "\n".join(text.splitlines()[:60])
+    folders = readme_tree(text)
+    assert folders and "\n".join(readme_tree(head)) == "\n".join(folders), "the tree ends past line 60"
+    assert [f for f in folders if not (REPO / f).is_dir()] == []
+    top = {p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name in
+           {t.split("/")[0] for t in tracked_files()}}
+    assert sorted(top - set(folders)) == [], "top-level folders README's tree does not name"
+    roles = {p.name for p in (REPO / "pipeline").iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert sorted(roles - {f.split("/", 1)[1] for f in folders if f.startswith("pipeline/")}) == []
+    assert len(text.splitlines()) <= 230, "README is meant to be near 200 lines"
+
+
+def test_the_tree_check_reads_nested_folders():
+    text = "x\n```bash\nmake demo\n```\n\n```\na/    one\n  b/    two\nc/    three\n```\n"
+    assert readme_tree(text) == ["a", "a/b", "c"]
+
+
 def test_every_test_and_link_the_docs_cite_exists():
     missing = []
     for doc in docs():
