@@ -13,3 +13,10 @@ import os as _os
 # and CI turn telemetry off by themselves, so only users met it. Every ggpo process imports this
 # package before mlflow; a user's own MLFLOW_DISABLE_TELEMETRY wins.
 _os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+# CPU kernels: pinned before torch runs anything, so that the same config and seed give the same
+# bits on every x86 processor (pipeline/core/kernels.py; GGPO_KERNELS=native turns it off).
+# Every ggpo process (the CLI, workers, torchrun ranks, Ray workers, tests) imports this first.
+from pipeline.core import kernels as _kernels  # noqa: E402
+
+_kernels.pin_environment()

@@ -28,7 +28,7 @@ from typing import Callable, cast
 
 from pydantic import ValidationError
 
-from pipeline.core import interrupt, paths
+from pipeline.core import interrupt, kernels, paths
 from pipeline.core.config import PRESET_DIR, load_config, parse_overrides, preset_names
 from pipeline.core.errors import (
     BenchmarkError,
@@ -660,6 +660,11 @@ def main(argv: list[str] | None = None) -> int:
     # warns at exit about a named semaphore already unlinked by its pool: two lines of noise
     # after a finished run, nothing lost (seen when a run ends right after a server outage)
     os.environ.setdefault("PYTHONWARNINGS", "ignore:resource_tracker:UserWarning")
+    try:
+        kernels.mode()          # a mistyped GGPO_KERNELS fails here, before any work
+    except ValueError as exc:
+        print(f"ggpo: {exc}", file=sys.stderr)
+        return 2
     try:
         return COMMANDS[args.cmd](args)
     except Exception as exc:

@@ -165,7 +165,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
 
 
 # not task.n_train: pools of any size share one base model
-SPEC = StageSpec(name="base", version=2, build=build, reads=(
+SPEC = StageSpec(name="base", numerics=True, version=2, build=build, reads=(
     "model", "task.name", "task.difficulty", "task.split_seed", "task.n_eval"))
 
 

@@ -141,7 +141,7 @@ def content_key(cfg: PipelineConfig) -> dict[str, str]:
     return benchmarks.content_key(cfg.eval.benchmarks, cfg.eval.data_dir)
 
 
-SPEC = StageSpec(name="evaluate", version=3, reads=("seed", "task", "eval", "verify"), build=build,
+SPEC = StageSpec(name="evaluate", numerics=True, version=3, reads=("seed", "task", "eval", "verify"), build=build,
                  extra_key=content_key)
 
 

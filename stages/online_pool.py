@@ -285,7 +285,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, ctx: S
 
 # version 2 (online_pool 4): the transformers sampler drops finished rows (#26); the same tokens,
 # but fp32 log-probs computed at another batch size may differ in their last bits
-SPEC = StageSpec(name="online_pool", version=4,
+SPEC = StageSpec(name="online_pool", numerics=True, version=4,
                  reads=("seed", "task", "rollout", "verify.timeout_s", "verify.retry_timeout_s",
                         "train.groups_per_update", "train.updates_per_step",
                         "online.draw_prompts"), build=build,

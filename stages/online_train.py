@@ -114,7 +114,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path, ctx: T
     return Built(files={"metrics": ("metrics.parquet", n)}, summary=record.to_summary())
 
 
-SPEC = StageSpec(name="online_train", version=2, reads=("seed", "train", "rollout"), build=build,
+SPEC = StageSpec(name="online_train", numerics=True, version=2, reads=("seed", "train", "rollout"), build=build,
                  ignores=NOT_ROUND_CONTENT, context=Trained,
                  without_context="an online round is trained by its cell's resident learner: run the cell "
                  "(`ggpo stage online` or `ggpo run online`), which builds or replays every round")

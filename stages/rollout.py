@@ -107,7 +107,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
 
 # version 2 (online_pool 4): the transformers sampler drops finished rows (#26); the same tokens,
 # but fp32 log-probs computed at another batch size may differ in their last bits
-SPEC = StageSpec(name="rollout", version=2, reads=("seed", "task", "rollout"), build=build)
+SPEC = StageSpec(name="rollout", numerics=True, version=2, reads=("seed", "task", "rollout"), build=build)
 
 
 def run(config: PipelineConfig, inputs: dict[str, Manifest], store: Store | None = None,

@@ -79,7 +79,7 @@ def content_key(cfg: PipelineConfig) -> dict[str, str]:
     return {"score_model": hashlib.sha256(canonical_json(files).encode()).hexdigest()}
 
 
-SPEC = StageSpec(name="score", version=1, build=build, extra_key=content_key, reads=(
+SPEC = StageSpec(name="score", numerics=True, version=1, build=build, extra_key=content_key, reads=(
     "rollout.group_size", "rollout.temperature", "train.device", "train.dtype", "train.logprob_impl"))
 
 

@@ -66,7 +66,7 @@ def build(cfg: PipelineConfig, inputs: dict[str, Manifest], folder: Path) -> Bui
                  **reference})
 
 
-SPEC = StageSpec(name="train", version=2, reads=("seed", "train", "rollout"), build=build,
+SPEC = StageSpec(name="train", numerics=True, version=2, reads=("seed", "train", "rollout"), build=build,
                  keep_on_rebuild=("checkpoints", "snapshots"))
 
 

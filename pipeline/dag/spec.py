@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from pipeline.core import interrupt
+from pipeline.core import interrupt, kernels
 from pipeline.core.config import PipelineConfig
 from pipeline.core.errors import DamagedArtifact, MissingContext
 from pipeline.core.store import Manifest, Store, check, file_entry, is_disk_full, now_iso, stage_key
@@ -51,6 +51,10 @@ class StageSpec:
     extra_key: Callable[[PipelineConfig], dict[str, str]] | None = None
     context: type | None = None     # what the build needs from its caller's memory (not part of the key)
     without_context: str = ""       # what to run instead, when it is missing
+    # the output is computed by torch (a model's forward, sampling, training): on the CPU the
+    # key carries the kernels' numerics (pipeline/core/kernels.py), so the reproducible and
+    # the native mode never share a cached result
+    numerics: bool = False
 
 
 # How many stage builds may run at once in this process (flows run stages in threads).
@@ -88,6 +92,8 @@ def content_key(spec: StageSpec, config: PipelineConfig) -> dict[str, str]:
         out.update(catalog.content_key(config.task))
     if spec.extra_key is not None:
         out.update(spec.extra_key(config))
+    if spec.numerics and (numerics := kernels.key_fingerprint()) is not None:
+        out["kernels"] = numerics
     return out
 
 

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from pipeline.models import numerics
 from pipeline.models.runtime import cast_parameters
 
 hf_logging.disable_progress_bar()
@@ -37,5 +38,5 @@ def load_model(path: str, dtype=torch.float32):
     training never takes it. The cast gives the same weights and logits as loading in bf16."""
     with _LOAD_LOCK:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return cast_parameters(model, dtype)
+    return numerics.prepare(cast_parameters(model, dtype))      # reproducible fp32 Linear layers on the CPU
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 from pipeline.core.config import ModelConfig
 from pipeline.core.seeding import derive_seed
+from pipeline.models import numerics
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
@@ -43,7 +44,7 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> Qwen3ForCausalLM:
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(derive_seed(cfg.init_seed, "model/init"))
-    return Qwen3ForCausalLM(config)
+    return numerics.prepare(Qwen3ForCausalLM(config))
 
 
 def save(model, tokenizer, folder: Path) -> None:

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipeline.core import interrupt, paths
+from pipeline.core import interrupt, kernels, paths
 from pipeline.core.errors import DiskFull
 from pipeline.core.grid import fmt, short_names
 from pipeline.core.store import Manifest, folder_bytes, is_disk_full, size_text
@@ -309,6 +309,8 @@ def _log_stage(manifest: Manifest, run_name: str, parent_run_id: str | None = No
     c = client()
     tags = {"ggpo.stage": manifest.stage, "ggpo.key": manifest.key,
             "ggpo.cache_hit": str(manifest.cache_hit).lower(), "ggpo.folder": manifest.folder}
+    if (numerics := kernels.key_fingerprint()) is not None:     # which CPU numerics (pipeline/core/kernels.py)
+        tags["ggpo.kernels"] = numerics
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
         exp_id = c.get_run(parent_run_id).info.experiment_id

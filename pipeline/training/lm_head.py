@@ -46,6 +46,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pipeline.core import gemm, kernels
+
 VOCAB_BLOCK = 16384   # backward reduces over the vocabulary in blocks of this many ids
 
 
@@ -59,7 +61,12 @@ def _compute_dtype(hidden: Tensor) -> torch.dtype:
 
 def _chunk_logits(h_c: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tensor:
     """fp32 logits [c, V] of one row chunk; h_c, w, b already in the compute dtype."""
-    z = h_c @ w.T if b is None else torch.addmm(b, h_c, w.T)
+    if kernels.applies(h_c, w):      # the reproducible product (pipeline/core/gemm.py): same bits on any x86
+        z = gemm.mm(h_c, w.T)
+        if b is not None:
+            z.add_(b)
+    else:
+        z = h_c @ w.T if b is None else torch.addmm(b, h_c, w.T)
     z = z.to(torch.promote_types(z.dtype, torch.float32))   # fp64 stays fp64
     return z.div_(temperature)                               # in place: one fp32 [c, V] buffer
 
@@ -133,9 +140,9 @@ def _accumulate_vocab_blocks(gz: Tensor, w: Tensor, h_c: Tensor, g_h_c: Tensor |
         e = min(s + VOCAB_BLOCK, w.shape[0])
         gz_b = gz[:, s:e].to(w.dtype)
         if g_h_c is not None:
-            g_h_c += gz_b @ w[s:e]
+            g_h_c += kernels.matmul(gz_b, w[s:e])
         if g_w is not None:
-            g_w[s:e] += gz_b.T @ h_c
+            g_w[s:e] += kernels.matmul(gz_b.T, h_c)
 
 
 def _chunk_grad_logits(z: Tensor, lse_c: Tensor, y_c: Tensor, g_c: Tensor, tau: float) -> Tensor:

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from pipeline.core import interrupt
+from pipeline.models import numerics
 from pipeline.models.engines.base import LOGPROBS_MODE, Completion, NonFiniteLogits, SamplingParams, check_weights, stop_token_ids
 from pipeline.models.engines.decode import LeanQwen3, sampler_forward
 from pipeline.models.hf import load_model, load_tokenizer
@@ -39,7 +40,8 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def weights_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """rollout.dtype -> the engine's weight dtype. "auto": bf16 on a GPU (as vLLM's default),
     fp32 on CPU (so the CPU pool matches the fp32 trainer exactly). Log-probs are computed
-    in fp32 from the logits whatever this is."""
+    in fp32 from the logits whatever this is. bf16 on the CPU is emulated in fp32
+    (pipeline/models/numerics.py: emulate_bf16): the model's tensors stay fp32."""
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     known = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -113,7 +115,12 @@ class TransformersEngine:
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(model_path)
         self.dtype = weights_dtype(dtype, self.device)
-        self.model = model if model is not None else load_model(model_path, self.dtype).to(self.device)
+        if model is None:
+            emulated = self.dtype == torch.bfloat16 and self.device.type == "cpu"
+            model = load_model(model_path, torch.float32 if emulated else self.dtype).to(self.device)
+            if emulated:
+                numerics.emulate_bf16(model)
+        self.model = model
         self.batch_prompts = batch_prompts
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)     # the same ids vLLM stops on
 
@@ -146,12 +153,16 @@ class TransformersEngine:
     @torch.no_grad()
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """The learner's parameters copied into the engine's model in place, cast to the
-        engine's dtype (buffers such as the rotary frequencies are the model's own)."""
+        engine's dtype (buffers such as the rotary frequencies are the model's own); an
+        emulated bf16 model's rounded to bf16 values again."""
         params = dict(self.model.named_parameters())
         check_weights([(n, tuple(t.shape)) for n, t in named], {n: tuple(p.shape) for n, p in params.items()},
                       "transformers")
+        emulated = getattr(self.model, "ggpo_bf16_emulated", False)
         for name, tensor in named:
             params[name].data.copy_(tensor.detach())
+            if emulated:
+                numerics.round_bf16_(params[name].data)
 
     def sleep(self) -> None:
         """Nothing to hand back: the engine's copy of the weights is small next to the
