@@ -17,7 +17,7 @@ thread, it hashes (sha256, 16 hex, of dtype, shape and bytes):
     draw          one seeded draw of the rollout engine in the preset's rollout dtype (token ids
                   and log-probs of 4 prompts x group_size, the preset's max_new_tokens)
     update        the parameters after one AdamW step on the chunked LM head's log-probs (the
-                  training path's arithmetic: ggpo's product, ATen's foreach AdamW)
+                  training path's arithmetic: ggpo's product, pipeline/training/optim.py's AdamW)
 
 --check compares them with tests/data/kernel_golden.json and exits 1 naming what moved and
 this processor's capability (tests/test_kernel_paths.py runs it; the machines that run the
@@ -89,6 +89,7 @@ def update_hash(cfg) -> str:
     """The parameters after one AdamW step on -mean(adv * lp) over the chunked LM head's
     log-probs of seeded ids with seeded advantages."""
     from pipeline.training.lm_head import chunked_logprobs, hidden_for_targets, lm_head_weight
+    from pipeline.training.optim import AdamW
 
     model, tokenizer = _model(cfg)
     ids = _ids(len(tokenizer))
@@ -98,7 +99,7 @@ def update_hash(cfg) -> str:
     lp, _ = chunked_logprobs(hidden, weight, ids[rows, cols + 1], chunk_tokens=64, bias=bias)
     adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
     (-(adv * lp).mean()).backward()
-    torch.optim.AdamW(model.parameters(), lr=cfg.train.lr).step()
+    AdamW(model.parameters(), lr=cfg.train.lr).step()     # the training loop's optimizer
     return digest(*[p.detach() for p in model.parameters()])
 
 

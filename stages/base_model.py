@@ -41,6 +41,7 @@ from pipeline.models.tiny_model import build_model, build_tokenizer, save
 from pipeline.services.progress import Progress
 from pipeline.tasks import catalog, countdown
 from pipeline.tasks.grading import grade_many, warm_up
+from pipeline.training import optim
 from pipeline.training.policy import make_batch, token_logprobs
 
 GROUP_CHECK = 8      # samples per check prompt for the final group statistics (mean@8)
@@ -122,7 +123,7 @@ def warm_up_tiny(cfg: PipelineConfig, folder: Path) -> tuple[dict, dict]:
     budget = catalog.response_budget(cfg.task)
     tok = build_tokenizer()
     model = build_model(mc, len(tok))
-    opt = torch.optim.AdamW(model.parameters(), lr=mc.sft_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    opt = optim.AdamW(model.parameters(), lr=mc.sft_lr, betas=(0.9, 0.99), weight_decay=0.0)   # pipeline/training/optim.py
     # the tiny model's warm-up stays on the CPU on every machine: the base is the same everywhere
     engine = TransformersEngine.from_model(model, tok, [tok.eos_token_id])
     log: dict[str, list[float]] = {"step": [], "loss": [], "lr": [], "sampled_accuracy": []}

@@ -106,6 +106,31 @@ def tiny():
     return model, ids
 
 
+@pytest.mark.parametrize("emulated", [False, True])
+def test_a_weight_sync_in_place_reaches_the_packed_weights(tiny, emulated):
+    """The sampler's forwards keep each weight packed while its version stays: an engine's
+    in-place sync (load_weights) must move it, or the synced engine samples the old policy
+    (CI on 0ff8029: the online cells resumed to other weights). The synced engine's logits
+    equal those of an engine built on the new weights, bit for bit."""
+    from pipeline.models.engines.hf import TransformersEngine
+    model, ids = tiny
+    old, new = copy.deepcopy(model), copy.deepcopy(model)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    fresh = copy.deepcopy(new)
+    if emulated:
+        old, fresh = numerics.emulate_bf16(old), numerics.emulate_bf16(fresh)
+    engine = TransformersEngine.from_model(old, build_tokenizer(), [])
+    with torch.inference_mode():
+        before = engine.model(ids).logits
+    engine.load_weights([(n, p.detach()) for n, p in new.named_parameters()])
+    with torch.inference_mode():
+        synced, want = engine.model(ids).logits, fresh(ids).logits
+    assert not torch.equal(before, want)
+    assert torch.equal(synced, want)
+
+
 def test_prepared_linear_layers_keep_their_state_and_compute_nn_linear(tiny):
     model, ids = tiny
     assert all(type(m) is not torch.nn.Linear for m in model.modules())
@@ -133,3 +158,41 @@ def test_the_emulated_sampler_stores_bf16_values_with_a_native_bf16_sized_mismat
     print(f"\nmean |lp - lp_fp32|: emulated {emu_gap:.3e}, native bf16 {bf16_gap:.3e}")
     # the mismatch is bf16's rounding, not a tenth or ten times it (measured 2.87e-3 vs 2.94e-3)
     assert 0.5 * bf16_gap <= emu_gap <= 2 * bf16_gap
+
+
+def test_the_reproducible_adamw_is_torchs_but_for_an_exact_square_root():
+    """pipeline/training/optim.py: the same state layout as torch's AdamW, its step within fp32
+    rounding of a float64 AdamW, and bit for bit torch's wherever torch's fp32 sqrt is the
+    correctly rounded one (elsewhere it is an ulp off on this processor and maybe not on another)."""
+    from pipeline.training.optim import AdamW, exact_sqrt
+
+    g = torch.Generator().manual_seed(4)
+    start = [torch.randn(300, generator=g), torch.randn(7, 11, generator=g)]
+    grads = [[torch.randn(t.shape, generator=g) * 1e-3 for t in start] for _ in range(3)]
+
+    def run(cls, dtype):
+        params = [t.clone().to(dtype).requires_grad_() for t in start]
+        opt = cls(params, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.01)
+        for step in grads:
+            for p, gr in zip(params, step):
+                p.grad = gr.to(dtype)
+            opt.step()
+        return [p.detach() for p in params], opt
+    ours, opt = run(AdamW, torch.float32)
+    ref, _ = run(torch.optim.AdamW, torch.float64)
+    for a, b in zip(ours, ref):
+        assert (a.double() - b).abs().max().item() <= rounding_tol(torch.float32, float(b.abs().max()), 8)
+    assert set(opt.state[opt.param_groups[0]["params"][0]]) == {"step", "exp_avg", "exp_avg_sq"}
+    theirs, topt = run(torch.optim.AdamW, torch.float32)
+    torch.optim.AdamW(opt.param_groups[0]["params"]).load_state_dict(opt.state_dict())   # checkpoints load either way
+    # one step from equal states: equal wherever torch's sqrt is exact
+    params = [t.clone().requires_grad_() for t in start]
+    ours1, theirs1 = AdamW(params, lr=1e-2), torch.optim.AdamW([t.clone().requires_grad_() for t in start], lr=1e-2)
+    for opt_, ps in ((ours1, params), (theirs1, theirs1.param_groups[0]["params"])):
+        for p, gr in zip(ps, grads[0]):
+            p.grad = gr.clone()
+        opt_.step()
+    for a, b, p in zip(params, theirs1.param_groups[0]["params"], params):
+        v = ours1.state[p]["exp_avg_sq"]
+        exact = v.sqrt() == exact_sqrt(v)
+        assert torch.equal(a.detach()[exact], b.detach()[exact])

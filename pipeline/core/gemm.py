@@ -45,10 +45,13 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
 _tried = False
-# id(weight) -> (a weak reference to it, its version, vector width, packed values); an entry
-# goes when its weight does (weakref.finalize). Not a WeakKeyDictionary: that compares keys by
-# ==, which a tensor answers elementwise.
-_packed: dict[int, tuple[weakref.ref, int, int, torch.Tensor]] = {}
+# id(weight) -> (a weak reference to it, (its version, its storage address), vector width,
+# packed values); an entry goes when its weight does (weakref.finalize). Not a
+# WeakKeyDictionary: that compares keys by ==, which a tensor answers elementwise. The version
+# counter moves with every in-place write through the tensor itself, not with one through
+# `weight.data` (a separate counter): writers of weights in place write through the parameter
+# (engines/hf.py load_weights); `param.data = other` changes the address, which is checked too.
+_packed: dict[int, tuple[weakref.ref, tuple[int, int], int, torch.Tensor]] = {}
 
 
 def _cache_dir() -> Path:
@@ -155,7 +158,7 @@ def _packed_t(weight: torch.Tensor, bits: int) -> torch.Tensor:
     tensor's version counter) and while it lives."""
     lib = library()
     assert lib is not None
-    version = weight._version
+    version = (weight._version, weight.data_ptr())
     hit = _packed.get(id(weight))
     if hit is not None and hit[0]() is weight and hit[1] == version and hit[2] == bits:
         return hit[3]

@@ -65,7 +65,7 @@ def round_bf16_(t: torch.Tensor) -> torch.Tensor:
 def round_parameters_(model) -> None:
     """Every parameter's values rounded to bf16, in place (fp32 storage)."""
     for param in model.parameters():
-        round_bf16_(param.data)
+        round_bf16_(param)      # not param.data: the write must move the parameter's version (gemm.py)
 
 
 def _round_output(module, args, output):

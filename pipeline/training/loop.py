@@ -35,7 +35,7 @@ from pipeline.core.store import disk_full, is_disk_full
 from pipeline.models.hf import load_model
 from pipeline.models.runtime import Runtime, make_runtime
 from pipeline.services.progress import Progress
-from pipeline.training import checkpoint, distributed
+from pipeline.training import checkpoint, distributed, optim
 from pipeline.training.diagnostics import micro_batch_stats, normalized_ess
 from pipeline.training.losses import LossFn, LossInputs, get_loss
 from pipeline.training.order import groups_for_update
@@ -301,7 +301,8 @@ def new_state(cfg: PipelineConfig, policy_path: str, reference_path: str, rt: Ru
     tc = cfg.train
     model, reference = rt.prepare(load_model(policy_path)), rt.prepare_reference(load_model(reference_path))
     model = distributed.shard_policy(model, rt.autocast_dtype, tc.fsdp_param_dtype)   # under torchrun only; before the optimizer
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.adam_betas, weight_decay=tc.weight_decay)
+    # torch's AdamW, with a processor-independent fp32 CPU step in the reproducible mode (optim.py)
+    opt = optim.AdamW(model.parameters(), lr=tc.lr, betas=tc.adam_betas, weight_decay=tc.weight_decay)
     return TrainState(model, reference, opt)
 
 

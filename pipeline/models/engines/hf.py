@@ -160,9 +160,12 @@ class TransformersEngine:
                       "transformers")
         emulated = getattr(self.model, "ggpo_bf16_emulated", False)
         for name, tensor in named:
-            params[name].data.copy_(tensor.detach())
+            # through the parameter, not .data: .data has its own version counter, and the
+            # reproducible product keeps a weight's packed copy while the parameter's version
+            # stays (pipeline/core/gemm.py), so a write through .data would leave it stale
+            params[name].copy_(tensor.detach())
             if emulated:
-                numerics.round_bf16_(params[name].data)
+                numerics.round_bf16_(params[name])
 
     def sleep(self) -> None:
         """Nothing to hand back: the engine's copy of the weights is small next to the
