@@ -9,6 +9,8 @@ that could not fill its pool, or the drift guard: online.on_stall / on_drift = s
 statistics are stats.py's, over seeds: a cell prints mean ± sample std (ddof 1), or each
 seed's value where it is bimodal (some but not all seeds stalled), and its stalls k/n.
 
+- evals.csv: every evaluation (base included) with the cells' columns: the results file the
+  final and paired tables are computed from (published.py renders them from it).
 - final.md/csv (Table 1 form): final accuracy per cell, stalls k/n.
 - paired.md/csv: final accuracy paired by seed (a seed's cells share its base model and
   prompt order; compare.py): each method minus GRPO+TIS (else the first method) at every
@@ -396,19 +398,40 @@ def curve_tables(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, paths:
     return parts
 
 
-def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) -> tuple[str, list[Path]]:
-    """Every table and figure into `folder`: (the Markdown of all tables, the files)."""
-    evals = in_cell_order(evals)
-    parts = [markdown_final(evals, metric)]
-    write_file_atomic(folder / "final.csv", finals(evals).write_csv)
-    paths = [folder / "final.csv"]
+def pivot_tables(evals: pl.DataFrame, metric: str) -> dict[str, tuple[str, pl.DataFrame]]:
+    """staleness (against N) and refresh (against t_ref), each where the experiment has more
+    than one value: name -> (Markdown, frame)."""
+    found = {}
     for field, name, title in (("N", "staleness", f"Final accuracy ({metric}, %) against synchronization delay N"),
                                ("t_ref", "refresh", f"Final accuracy ({metric}, %): fixed vs refreshed reference")):
         table = pivot_table(evals, field, title)
         if table is not None:
-            parts.append(table[0])
-            write_file_atomic(folder / f"{name}.csv", table[1].write_csv)
-            paths.append(folder / f"{name}.csv")
+            found[name] = table
+    return found
+
+
+def tables(evals: pl.DataFrame, metric: str) -> str:
+    """The report's accuracy tables as write prints them: final, the pivots, the paired
+    differences (what published.py renders from evals.csv)."""
+    evals = in_cell_order(evals)
+    parts = [markdown_final(evals, metric), *(t for t, _ in pivot_tables(evals, metric).values())]
+    paired_md, _ = paired_tables(evals, metric)
+    return "\n".join(parts + ([paired_md] if paired_md else []))
+
+
+def write(evals: pl.DataFrame, curves: pl.DataFrame, folder: Path, metric: str) -> tuple[str, list[Path]]:
+    """Every table and figure into `folder`: (the Markdown of all tables, the files)."""
+    evals = in_cell_order(evals)
+    parts = [markdown_final(evals, metric)]
+    # evals.csv: every evaluation, the results file the tables are computed from (published.py
+    # renders the final and paired tables from it for README and docs)
+    write_file_atomic(folder / "evals.csv", evals.write_csv)
+    write_file_atomic(folder / "final.csv", finals(evals).write_csv)
+    paths = [folder / "evals.csv", folder / "final.csv"]
+    for name, (text, frame) in pivot_tables(evals, metric).items():
+        parts.append(text)
+        write_file_atomic(folder / f"{name}.csv", frame.write_csv)
+        paths.append(folder / f"{name}.csv")
     paired_md, paired = paired_tables(evals, metric)
     if paired.height:
         parts.append(paired_md)

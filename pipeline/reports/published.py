@@ -1,0 +1,188 @@
+"""Published tables from committed results files: a table in README or docs/ can no longer
+drift from what the command that produced it prints.
+
+A published table is a block of Markdown between two markers:
+
+    <!-- results docs/results/offline-t-ref.csv offline mean@8 -->
+    ...the tables, exactly as the report prints them...
+    <!-- /results -->
+
+The marker names a results file (a CSV a report wrote, committed under docs/results/; the
+path relative to the repository root), its kind, and the metric the captions name. The
+block must equal `render(kind, frame, metric)`, the report's own Markdown computed from that
+file, to the character:
+
+- `offline`: the file is an offline report's report.csv (pipeline/reports/offline.py:
+  mean ± std per cell and update, each seed's value in `seed_<seed>` columns); the block is
+  its accuracy table and the paired tables (offline.markdown).
+- `online`: the file is an online report's evals.csv (pipeline/reports/online.py: every
+  evaluation, base included, with each cell's columns); the block is the final-accuracy
+  table, the staleness / refresh pivots and the paired tables (online.tables).
+- `summary`: the file lists a table's entries (`row`, `title`: its column, `method`,
+  `point`: a grid point, and the `results` file and `kind` of the experiment it comes
+  from); the block is one table of paired differences to GRPO+TIS, one decimal (README's).
+
+`python -m pipeline.reports.published` checks every block of README.md and docs/*.md and
+names each that differs (file, marker line, the first differing line); `--write` rewrites
+the blocks from their files (each file written whole, atomically). The test suite runs the
+check (tests/test_published.py).
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from pipeline.core.store import write_text_atomic
+from pipeline.reports import compare, offline, online
+
+ROOT = Path(__file__).resolve().parents[2]
+OPEN = re.compile(r"^<!-- results (\S+) (\S+) (\S+) -->$")
+CLOSE = "<!-- /results -->"
+
+
+def _offline(frame: pl.DataFrame, metric: str, root: Path) -> str:
+    return offline.markdown(frame, metric)
+
+
+def _online(frame: pl.DataFrame, metric: str, root: Path) -> str:
+    return online.tables(frame, metric)
+
+
+def _paired_to_reference(kind: str, frame: pl.DataFrame) -> pl.DataFrame:
+    per_seed = (online.seed_finals(online.in_cell_order(frame)) if kind == "online"
+                else offline.seed_finals(frame))
+    ref, pairs = compare.paired_to_reference(per_seed)
+    if ref != compare.REFERENCE:
+        raise ValueError(f"a summary row's experiment has no {compare.REFERENCE} to pair with")
+    return pairs
+
+
+def _summary(spec: pl.DataFrame, metric: str, root: Path) -> str:
+    """README's one table: rows (`row`) of paired differences to GRPO+TIS, one column per
+    method (`title`), each entry read from its own experiment's results file (`results`,
+    `kind`) at a grid point (`point`): difference [95 % interval] at one decimal, and the
+    method's stalls where any; '–' where the experiment lacks the method."""
+    titles = spec["title"].unique(maintain_order=True).to_list()
+    rows: dict[str, dict[str, str]] = {}
+    frames: dict[str, pl.DataFrame] = {}
+    for r in spec.iter_rows(named=True):
+        if r["results"] not in frames:
+            frames[r["results"]] = _paired_to_reference(r["kind"], read_results(root / r["results"]))
+        pairs = frames[r["results"]]
+        hit = pairs.filter((pl.col("method") == r["method"]) & (pl.col("point") == r["point"]))
+        if not hit.height:
+            raise ValueError(f"{r['results']} has no paired row for {r['method']} at {r['point']!r}")
+        d = hit.row(0, named=True)
+        text = compare.difference_text(d, 100.0, digits=1).replace("-", "\u2212")
+        stalled = not d["stalls"].startswith("0/")
+        rows.setdefault(r["row"], {})[r["title"]] = text + (f", {d['stalls']} stalled" if stalled else "")
+    head = [f"| minus GRPO+TIS | {' | '.join(titles)} |", "|" + "---|" * (len(titles) + 1)]
+    return "\n".join(head + [f"| {row} | " + " | ".join(cells.get(t, "\u2013") for t in titles) + " |"
+                             for row, cells in rows.items()]) + "\n"
+
+
+RENDERERS: dict[str, Callable[[pl.DataFrame, str, Path], str]] = {
+    "offline": _offline, "online": _online, "summary": _summary}
+
+
+@dataclass(frozen=True)
+class Block:
+    """One published block: where it is (file, 1-based line of its opening marker, the
+    lines between the markers), and what it is computed from."""
+    doc: Path
+    line: int
+    results: str
+    kind: str
+    metric: str
+    body: list[str]
+
+
+def read_results(path: Path) -> pl.DataFrame:
+    """A results CSV with every column as the report wrote it; seed columns and `t_ref`
+    kept as their text ("fixed" next to numbers reads as text, as in the report)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"results file {path} not found")
+    return pl.read_csv(path, infer_schema_length=None)
+
+
+def render(kind: str, frame: pl.DataFrame, metric: str, root: Path = ROOT) -> str:
+    if kind not in RENDERERS:
+        raise ValueError(f"unknown results kind {kind!r}: one of {sorted(RENDERERS)}")
+    return RENDERERS[kind](frame, metric, root)
+
+
+def blocks(doc: Path) -> list[Block]:
+    """The published blocks of one Markdown file; an opening marker without its closing one
+    is an error naming the file and line."""
+    lines = doc.read_text().splitlines()
+    found, i = [], 0
+    while i < len(lines):
+        m = OPEN.match(lines[i])
+        if m:
+            try:
+                end = lines.index(CLOSE, i + 1)
+            except ValueError:
+                raise ValueError(f"{doc}:{i + 1}: results block without its closing '{CLOSE}'") from None
+            found.append(Block(doc, i + 1, m.group(1), m.group(2), m.group(3), lines[i + 1:end]))
+            i = end
+        i += 1
+    return found
+
+
+def expected(block: Block, root: Path = ROOT) -> list[str]:
+    return render(block.kind, read_results(root / block.results), block.metric, root).rstrip("\n").splitlines()
+
+
+def difference(block: Block, root: Path = ROOT) -> str | None:
+    """None where the block equals its results file's rendering; else a one-line message
+    naming the file, the marker's line and the first line that differs."""
+    want, have = expected(block, root), block.body
+    for k in range(max(len(want), len(have))):
+        w = want[k] if k < len(want) else "<end of table>"
+        h = have[k] if k < len(have) else "<end of block>"
+        if w != h:
+            return (f"{block.doc}:{block.line + 1 + k}: the table of {block.results} ({block.kind}) differs: "
+                    f"printed {w!r}, published {h!r}")
+    return None
+
+
+def documents(root: Path = ROOT) -> list[Path]:
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def write(doc: Path, root: Path = ROOT) -> bool:
+    """Rewrite every block of `doc` from its results file; True when anything changed."""
+    lines = doc.read_text().splitlines()
+    changed = False
+    for block in reversed(blocks(doc)):     # from the end: earlier line numbers stay valid
+        want = expected(block, root)
+        if want != block.body:
+            lines[block.line:block.line + len(block.body)] = want
+            changed = True
+    if changed:
+        write_text_atomic(doc, "\n".join(lines) + "\n")
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks from their results files")
+    args = parser.parse_args(argv)
+    problems = []
+    for doc in documents():
+        if args.write and write(doc):
+            print(f"rewrote {doc.relative_to(ROOT)}")
+        problems += [p for b in blocks(doc) if (p := difference(b)) is not None]
+    for p in problems:
+        print(p, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
