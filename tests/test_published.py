@@ -91,3 +91,35 @@ def test_the_online_results_file_renders_what_the_report_printed(tmp_path):
     text, _ = online.write(evals, pl.DataFrame(), tmp_path, block.metric)
     rendered = published.render("online", published.read_results(tmp_path / "evals.csv"), block.metric)
     assert text.startswith(rendered.rstrip("\n")) and "Paired differences" in rendered
+
+
+def test_the_corrections_results_file_renders_the_reports_differences(tmp_path):
+    """corrections.csv, written by the corrections report and read back, renders README's
+    pivot: each entry the report's own paired difference at one decimal, bold exactly where
+    Holm's p < 0.05, 'identical' for a method equal to the reference on every seed, and the
+    count of differences that hold equal to the report's (real evaluations: the committed
+    offline results as online cells, plus a copy of GRPO+TIS under another name)."""
+    from pipeline.reports import compare, corrections
+
+    block = next(b for b in _all_blocks() if b.kind == "offline")
+    evals = _offline_evals(published.read_results(REPO / block.results))
+    evals = (evals.rename({"train.t_ref": "t_ref"})
+             .with_columns(pl.lit(4).alias("N"), pl.lit(128).alias("planned_updates")))
+    twin = (evals.filter(pl.col("method") == "grpo_tis")
+            .with_columns(pl.lit("icepop").alias("method"), pl.col("cell").str.replace("grpo_tis", "icepop")))
+    evals = pl.concat([evals, twin])
+    _, _, csv = corrections.write(evals, pl.DataFrame(), pl.DataFrame(), pl.DataFrame(), tmp_path, block.metric)
+    rendered = published.render("corrections", published.read_results(tmp_path / "corrections.csv"), block.metric)
+    seeds = corrections.per_seed(evals, pl.DataFrame())
+    _, pairs = corrections.paired(seeds)
+    rows = {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")[1:]
+            for line in rendered.splitlines() if line.startswith("| ") and not line.startswith("| minus")}
+    settings = csv["setting"].unique(maintain_order=True).to_list()
+    assert rows[corrections.title_of("icepop")] == ["identical"] * len(settings)
+    for r in pairs.filter(~pl.col("identical")).iter_rows(named=True):
+        entry = rows[corrections.title_of(r["method"])][settings.index(r["point"])]
+        text = compare.difference_text(r, 100.0, digits=1).replace("-", "\u2212")
+        assert entry.startswith(f"**{text}**" if r["p_holm"] < 0.05 else text), (entry, text)
+    held = pairs.filter(pl.col("p").is_not_null() & (pl.col("p_holm") < 0.05)).height
+    tested = pairs.filter(pl.col("p").is_not_null()).height
+    assert f"over the {tested} differences that are tests, {held} hold" in rendered

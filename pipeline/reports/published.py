@@ -21,6 +21,11 @@ file, to the character:
 - `summary`: the file lists a table's entries (`row`, `title`: its column, `method`,
   `point`: a grid point, and the `results` file and `kind` of the experiment it comes
   from); the block is one table of paired differences to GRPO+TIS, one decimal (README's).
+- `corrections`: the file is a corrections report's corrections.csv (pipeline/reports/
+  corrections.py: one row per method and setting); the block is the reference's finals, the
+  pivot of each method's paired difference to it (one decimal, **bold** where it holds with
+  Holm's adjustment over the table), the median 95 % half-width per column and the
+  differences that hold.
 
 `python -m pipeline.reports.published` checks every block of README.md and docs/*.md and
 names each that differs (file, marker line, the first differing line); `--write` rewrites
@@ -87,8 +92,64 @@ def _summary(spec: pl.DataFrame, metric: str, root: Path) -> str:
                              for row, cells in rows.items()]) + "\n"
 
 
+def _minus(text: str) -> str:
+    return text.replace("-", "\u2212")
+
+
+def _setting_title(setting: str) -> str:
+    return setting.replace("N=", "N = ")
+
+
+def _correction_cell(r: dict, n_seeds: int, alpha: float) -> str:
+    """One entry of the corrections pivot: 'identical', or the difference [interval] in
+    points (bold where Holm's p < alpha), n where fewer seeds paired, stalls where any."""
+    if r["identical"]:
+        return "identical"
+    text = _minus(compare.difference_text({"diff": r["diff"], "low": r["diff_low"], "high": r["diff_high"]},
+                                          100.0, digits=1))
+    if r["p_holm"] is not None and r["p_holm"] < alpha:
+        text = f"**{text}**"
+    if r["diff_n"] != n_seeds:
+        text += f", n = {r['diff_n']}"
+    return text + (f", {r['stalled']}/{r['seeds']} stalled" if r["stalled"] else "")
+
+
+def _corrections(frame: pl.DataFrame, metric: str, root: Path) -> str:
+    """README's corrections table from corrections.csv: the reference's final accuracy per
+    setting, each other method minus it per setting, the median half-width of the 95 %
+    intervals per column (the table's resolution), and the differences Holm's adjustment
+    keeps."""
+    from pipeline.reports import corrections, stats
+    alpha = 1.0 - stats.LEVEL
+    ref = frame["reference"][0]
+    settings = frame["setting"].unique(maintain_order=True).to_list()
+    n_seeds = int(frame["seeds"].max())  # type: ignore[arg-type]
+    finals = {r["setting"]: r["mean"] for r in frame.filter(pl.col("method") == ref).iter_rows(named=True)}
+    lead = (f"{corrections.title_of(ref)}, the reference, final {metric} (%): "
+            + ", ".join(f"{100 * finals[s]:.1f} {'at ' if s != corrections.OFFLINE else ''}{_setting_title(s)}"
+                        for s in settings if s in finals) + f"; n = {n_seeds} seeds.")
+    others = frame.filter(pl.col("method") != ref)
+    rows = {(r["method"], r["setting"]): r for r in others.iter_rows(named=True)}
+    lines = [lead, "", f"| minus {corrections.title_of(ref)} | " + " | ".join(map(_setting_title, settings)) + " |",
+             "|" + "---|" * (len(settings) + 1)]
+    for m in others["method"].unique(maintain_order=True).to_list():
+        lines.append(f"| {corrections.title_of(m)} | " + " | ".join(
+            _correction_cell(rows[(m, s)], n_seeds, alpha) if (m, s) in rows else "\u2013" for s in settings) + " |")
+    tested = others.filter(~pl.col("identical") & pl.col("diff_low").is_not_null())
+    half = [tested.filter(pl.col("setting") == s).select(((pl.col("diff_high") - pl.col("diff_low")) / 2).median())
+            .item() for s in settings]
+    lines += ["", "Median 95 % half-width: " + ", ".join(
+        f"\u00b1{100 * h:.1f} ({_setting_title(s)})" for s, h in zip(settings, half) if h is not None) + "."]
+    held = tested.filter(pl.col("p_holm") < alpha)
+    names = "; ".join(f"{corrections.title_of(r['method'])} at {_setting_title(r['setting'])} "
+                      f"({_minus(format(100 * r['diff'], '+.1f'))})" for r in held.iter_rows(named=True))
+    lines.append(f"With Holm's adjustment over the {tested.height} differences that are tests, {held.height} "
+                 f"hold" + (f": {names}." if names else "."))
+    return "\n".join(lines) + "\n"
+
+
 RENDERERS: dict[str, Callable[[pl.DataFrame, str, Path], str]] = {
-    "offline": _offline, "online": _online, "summary": _summary}
+    "offline": _offline, "online": _online, "summary": _summary, "corrections": _corrections}
 
 
 @dataclass(frozen=True)
