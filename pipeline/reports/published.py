@@ -44,7 +44,7 @@ from pathlib import Path
 import polars as pl
 
 from pipeline.core.store import write_text_atomic
-from pipeline.reports import compare, offline, online
+from pipeline.reports import compare, corrections, offline, online, stats
 
 ROOT = Path(__file__).resolve().parents[2]
 OPEN = re.compile(r"^<!-- results (\S+) (\S+) (\S+) -->$")
@@ -68,6 +68,10 @@ def _paired_to_reference(kind: str, frame: pl.DataFrame) -> pl.DataFrame:
     return pairs
 
 
+def _minus(text: str) -> str:
+    return text.replace("-", "\u2212")
+
+
 def _summary(spec: pl.DataFrame, metric: str, root: Path) -> str:
     """README's one table: rows (`row`) of paired differences to GRPO+TIS, one column per
     method (`title`), each entry read from its own experiment's results file (`results`,
@@ -84,16 +88,12 @@ def _summary(spec: pl.DataFrame, metric: str, root: Path) -> str:
         if not hit.height:
             raise ValueError(f"{r['results']} has no paired row for {r['method']} at {r['point']!r}")
         d = hit.row(0, named=True)
-        text = compare.difference_text(d, 100.0, digits=1).replace("-", "\u2212")
+        text = _minus(compare.difference_text(d, 100.0, digits=1))
         stalled = not d["stalls"].startswith("0/")
         rows.setdefault(r["row"], {})[r["title"]] = text + (f", {d['stalls']} stalled" if stalled else "")
     head = [f"| minus GRPO+TIS | {' | '.join(titles)} |", "|" + "---|" * (len(titles) + 1)]
     return "\n".join(head + [f"| {row} | " + " | ".join(cells.get(t, "\u2013") for t in titles) + " |"
                              for row, cells in rows.items()]) + "\n"
-
-
-def _minus(text: str) -> str:
-    return text.replace("-", "\u2212")
 
 
 def _setting_title(setting: str) -> str:
@@ -119,7 +119,6 @@ def _corrections(frame: pl.DataFrame, metric: str, root: Path) -> str:
     setting, each other method minus it per setting, the median half-width of the 95 %
     intervals per column (the table's resolution), and the differences Holm's adjustment
     keeps."""
-    from pipeline.reports import corrections, stats
     alpha = 1.0 - stats.LEVEL
     ref = frame["reference"][0]
     settings = frame["setting"].unique(maintain_order=True).to_list()
@@ -135,7 +134,7 @@ def _corrections(frame: pl.DataFrame, metric: str, root: Path) -> str:
     for m in others["method"].unique(maintain_order=True).to_list():
         lines.append(f"| {corrections.title_of(m)} | " + " | ".join(
             _correction_cell(rows[(m, s)], n_seeds, alpha) if (m, s) in rows else "\u2013" for s in settings) + " |")
-    tested = others.filter(~pl.col("identical") & pl.col("diff_low").is_not_null())
+    tested = others.filter(pl.col("p").is_not_null())     # the report's tests: identical rows have no p
     half = [tested.filter(pl.col("setting") == s).select(((pl.col("diff_high") - pl.col("diff_low")) / 2).median())
             .item() for s in settings]
     lines += ["", "Median 95 % half-width: " + ", ".join(
