@@ -19,7 +19,14 @@ of its cells:
         --set 'experiment.methods=["grpo_tis","cispo","ggpo","m2po"]' --set 'experiment.seeds=[42]' \
         --old-set train.eval_every=64 --old-set online.drift_every=1 --cells 20
 
-Caches and state folders are temporary and removed afterwards.
+`--old-env NAME=VALUE` sets a variable on the old side only: the reproducible kernel mode
+against the processor's own kernels on the corrections table's one-seed run (#44),
+
+    .venv/bin/python benchmarks/ladder_side_by_side.py --command run corrections --preset corrections \
+        --set 'experiment.seeds=[42]' --old-env GGPO_KERNELS=native --cells 60 --reps 2
+
+Odd repetitions run the new side first. Caches and state folders are temporary and removed
+afterwards.
 """
 from __future__ import annotations
 
@@ -35,13 +42,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_once(checkout: Path, argv: list[str]) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of the run and its children) of one command from an empty cache."""
+def run_once(checkout: Path, argv: list[str], extra_env: dict[str, str] | None = None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the run and its children) of one command from an empty cache;
+    `extra_env` is added to the command's environment (one side's GGPO_KERNELS, say)."""
     with tempfile.TemporaryDirectory(prefix="ggpo-ladder-") as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
         # the checkout's own code first: an environment installed editable from another
         # checkout (a linked .venv) would otherwise import that checkout's packages
         env |= {"GGPO_CACHE": f"{tmp}/cache", "GGPO_HOME": f"{tmp}/home", "PYTHONPATH": str(checkout)}
+        env |= extra_env or {}
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         res = subprocess.run([str(checkout / ".venv" / "bin" / "ggpo"), *argv], cwd=checkout, env=env,
@@ -56,7 +65,7 @@ def run_once(checkout: Path, argv: list[str]) -> tuple[float, float]:
 
 
 def sides(args: argparse.Namespace) -> list[tuple[str, Path, list[str]]]:
-    """(name, checkout, argv) of the old and the new side, in the order they run."""
+    """(name, checkout, argv) of the old and the new side, old first."""
     argv = [*args.command, *(a for s in args.set for a in ("--set", s))]
     if args.preset:
         argv[2:2] = ["--preset", args.preset]
@@ -72,16 +81,22 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny-regime")
     ap.add_argument("--set", action="append", default=None, help="KEY=VALUE for both sides (default: the ladder's grid)")
     ap.add_argument("--old-set", action="append", default=[], help="KEY=VALUE for the old side only")
+    ap.add_argument("--old-env", action="append", default=[],
+                    help="NAME=VALUE in the old side's environment only, e.g. GGPO_KERNELS=native")
     ap.add_argument("--cells", type=int, help="cells the command runs: also print cells per hour")
     args = ap.parse_args()
     if args.set is None:
         args.set = ['experiment.grid={"train.updates_per_step": [1, 4, 16, 64]}']
-    if args.old is None and not args.old_set:
-        ap.error("without --old, --old-set says what the old side runs differently")
+    if args.old is None and not args.old_set and not args.old_env:
+        ap.error("without --old, --old-set or --old-env says what the old side runs differently")
+    old_env = dict(kv.split("=", 1) for kv in args.old_env)
     runs: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
     for rep in range(args.reps):
-        for name, checkout, argv in sides(args):
-            wall, cpu = run_once(checkout, argv)
+        # odd repetitions run the new side first, so a drift of the machine's load over the
+        # run weighs on both sides alike
+        order = sides(args) if rep % 2 == 0 else sides(args)[::-1]
+        for name, checkout, argv in order:
+            wall, cpu = run_once(checkout, argv, old_env if name == "old" else None)
             runs[name].append((wall, cpu))
             print(f"rep {rep} {name}: {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
     med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in runs.items()}

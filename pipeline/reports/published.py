@@ -24,7 +24,8 @@ file, to the character:
 - `corrections`: the file is a corrections report's corrections.csv (pipeline/reports/
   corrections.py: one row per method and setting); the block is the reference's finals, the
   pivot of each method's paired difference to it (one decimal, **bold** where it holds with
-  Holm's adjustment over the table), the median 95 % half-width per column and the
+  Holm's adjustment over the table), the median 95 % half-width per column, the difference
+  each column resolves at 80 % power (corrections.resolution), and the
   differences that hold.
 
 `python -m pipeline.reports.published` checks every block of README.md and docs/*.md and
@@ -135,10 +136,11 @@ def _corrections(frame: pl.DataFrame, metric: str, root: Path) -> str:
         lines.append(f"| {corrections.title_of(m)} | " + " | ".join(
             _correction_cell(rows[(m, s)], n_seeds, alpha) if (m, s) in rows else "\u2013" for s in settings) + " |")
     tested = others.filter(pl.col("p").is_not_null())     # the report's tests: identical rows have no p
-    half = [tested.filter(pl.col("setting") == s).select(((pl.col("diff_high") - pl.col("diff_low")) / 2).median())
-            .item() for s in settings]
+    res = corrections.resolution(tested, "diff_low", "diff_high", "diff_n", "setting")
     lines += ["", "Median 95 % half-width: " + ", ".join(
-        f"\u00b1{100 * h:.1f} ({_setting_title(s)})" for s, h in zip(settings, half) if h is not None) + "."]
+        f"\u00b1{100 * res[s][0]:.1f} ({_setting_title(s)})" for s in settings if s in res) + ".",
+              "Resolved at 80 % power (paired t, two-sided 5 % per test, the column's median spread): "
+              + ", ".join(f"{100 * res[s][1]:.1f} ({_setting_title(s)})" for s in settings if s in res) + "."]
     held = tested.filter(pl.col("p_holm") < alpha)
     names = "; ".join(f"{corrections.title_of(r['method'])} at {_setting_title(r['setting'])} "
                       f"({_minus(format(100 * r['diff'], '+.1f'))})" for r in held.iter_rows(named=True))

@@ -34,6 +34,19 @@ p-values sorted p_(1) <= .. <= p_(m),
 
 and a difference is settled at the table's level where p_holm < level's complement (0.05).
 
+What a table can resolve (`power`, `detectable`): a paired t-test of n seeds at two-sided
+level alpha = 1 - level rejects where |t| > q = t_{1 - alpha/2, n - 1}. A true difference
+delta with a spread sigma of the differences gives t noncentral with n - 1 dof and
+noncentrality lambda = delta sqrt(n) / sigma, so
+
+    power(delta) = P(T'_{n-1, lambda} > q) + P(T'_{n-1, lambda} < -q)     (scipy.stats.nct)
+
+and `detectable` is the delta where power(delta) = 0.8, found by bisection (power rises in
+|delta|). It is the smallest difference the table would find four times in five, if the
+spread the seeds measured is the true one; it scales with sigma and falls with n: 3.26 sigma
+at n = 3, 1.68 sigma at n = 5, 1.16 sigma at n = 8 (tests/test_stats.py checks power against
+a simulation of the test itself).
+
 Stalls: a seed whose online cell stopped before its last update (a round that could not fill
 its pool, or the drift guard) stalled; a cell reports k/n. A cell is bimodal when some but not
 all of its seeds stalled (0 < k < n): its seeds then come from two regimes (a policy frozen at
@@ -190,3 +203,28 @@ def holm(p_values: Sequence[float | None]) -> list[float | None]:
         running = max(running, min(1.0, (m - j) * p))
         out[i] = running
     return out
+
+
+def power(delta: float, sd: float, n: int, level: float = LEVEL) -> float:
+    """Power of the two-sided paired t-test of n seeds at `level` (alpha = 1 - level) for a
+    true mean difference `delta` with spread `sd` of the differences (module docstring)."""
+    if n < 2 or sd <= 0.0:
+        raise ValueError(f"power needs n >= 2 seeds and sd > 0 (got n={n}, sd={sd})")
+    dof, q = n - 1, t_quantile(level, n - 1)
+    nc = delta * math.sqrt(n) / sd
+    return float(scipy_stats.nct.sf(q, dof, nc) + scipy_stats.nct.cdf(-q, dof, nc))
+
+
+def detectable(sd: float, n: int, target: float = 0.8, level: float = LEVEL) -> float:
+    """The smallest |difference| a paired t-test of n seeds at `level` finds with probability
+    `target`, given the spread `sd` of the differences: power(delta) = target, by bisection
+    to a relative 1e-10 (power is increasing in delta > 0)."""
+    if not 1.0 - level < target < 1.0:
+        raise ValueError(f"target power must lie in (alpha, 1) = ({1.0 - level}, 1), got {target}")
+    lo, hi = 0.0, sd
+    while power(hi, sd, n, level) < target:     # bracket: double until power exceeds target
+        lo, hi = hi, 2.0 * hi
+    while hi - lo > 1e-10 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if power(mid, sd, n, level) < target else (lo, mid)
+    return 0.5 * (lo + hi)
