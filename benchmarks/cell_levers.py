@@ -1,0 +1,193 @@
+"""Three levers on an online cell's time, measured side by side, with whether they move bits (#45).
+
+    .venv/bin/python benchmarks/cell_levers.py [--preset tiny-regime] [--pools 12] [--reps 3]
+
+On the preset's base model (built, or found, in the usual cache, GGPO_CACHE), one thread, in
+the kernel mode the process runs (the reproducible one by default; GGPO_KERNELS=native for the
+processor's own kernels):
+
+1. *The reference's log-probs batched per micro-batch.* The trainer computes lp_ref one group
+   at a time (pipeline/training/reference.py: so that a cached value is bit for bit a fresh
+   one). Here, on --pools pools of 8 groups x group_size responses sampled from the base
+   model, one forward per group against one forward of the 8 groups' micro-batch, alternated:
+   the median time ratio batched / per group, and how many groups' log-probs (on their real
+   tokens) differ in any bit, with the largest difference.
+2. *The draw size.* The milliseconds per prompt (group_size responses each) of one sampler
+   draw of 8, 24 and 64 prompts (an online round at N = 1 draws 8 prompts at a time, one at
+   N = 4 32), medians over --reps.
+3. *The prefill shared by a prompt's samples* (engines/hf.shared_prefill, on by default): draws
+   of 24 prompts x group_size with the prefill run once per prompt against once per row
+   (hf.prompt_runs held to 1), alternated: the median time ratio and whether every token and
+   log-prob is the same.
+
+It prints one line per lever and a JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a plain script
+
+import torch  # noqa: E402
+
+
+def sampled_pools(cfg, engine, problems, n_pools: int, folder: Path) -> list:
+    """n_pools pools of 8 groups each, sampled from the base model (seeds 0 ..)."""
+    from pipeline.core.schemas import TRAIN_POOL, write_parquet
+    from pipeline.models.engines import SamplingParams
+    from pipeline.tasks.grading import grade_many
+    from pipeline.training.pool import load_pool
+    from stages.rollout import prompt_table, rollout_table
+
+    rc, pools = cfg.rollout, []
+    for i in range(n_pools):
+        prompts = prompt_table(problems[8 * i:8 * i + 8], engine.tokenizer, cfg.task.prompt)
+        params = SamplingParams(rc.group_size, rc.temperature, rc.top_p, rc.max_new_tokens, i)
+        rows = rollout_table(prompts, engine.generate(prompts["prompt"], params), params, engine)
+        graded = grade_many(rows["response_text"], [(prompts["answer"][g],) for g in rows["group"]],
+                            cfg.verify.timeout_s, cfg.verify.workers)
+        rows["reward"], rows["status"] = [g[0] for g in graded], [g[1] for g in graded]
+        path = folder / f"pool-{i}.parquet"
+        write_parquet({k: rows[k] for k in TRAIN_POOL.names}, TRAIN_POOL, path)
+        pools.append(load_pool(path, rc.group_size, cfg.train))
+    return pools
+
+
+def reference_batching(cfg, reference, pools, pad_id: int, reps: int) -> dict:
+    """Lever 1: time ratio batched / per group (median of alternated pairs) and bit differences."""
+    from pipeline.models.runtime import make_runtime
+    from pipeline.training.loop import group_rows, policy_logprobs
+    from pipeline.training.pool import batch
+    from pipeline.training.reference import ReferenceCache
+
+    rt = make_runtime(cfg.train)
+
+    def per_group(pool, groups):
+        return ReferenceCache(False).get(reference, pool, groups, pad_id, rt, cfg.rollout.temperature, policy_logprobs)
+
+    def batched(pool, groups):
+        with torch.no_grad():
+            lp, _ = policy_logprobs(reference, batch(pool, groups, pad_id, rt.packed, rt.bucket_overhead), rt,
+                                    cfg.rollout.temperature)
+        return group_rows(lp, pool, groups)
+
+    ratios, differ, total, largest = [], 0, 0, 0.0
+    for rep in range(reps):
+        for pool in pools:
+            groups = list(range(len(pool.responses)))
+            seconds = {}
+            for side in (("per", "batched") if rep % 2 == 0 else ("batched", "per")):
+                t0 = time.perf_counter()
+                out = per_group(pool, groups) if side == "per" else batched(pool, groups)
+                seconds[side] = time.perf_counter() - t0
+                if side == "per":
+                    per = out
+                else:
+                    together = out
+            ratios.append(seconds["batched"] / seconds["per"])
+            if rep == 0:
+                for g, a in zip(groups, per):
+                    real = torch.zeros_like(a, dtype=torch.bool)
+                    for i, r in enumerate(pool.responses[g]):
+                        real[i, :len(r)] = True
+                    b = together[g][:, :a.shape[1]]
+                    total += 1
+                    differ += not torch.equal(a[real], b[real])
+                    largest = max(largest, (a[real] - b[real]).abs().max().item())
+    return {"batched_over_per_group": round(statistics.median(ratios), 3), "groups": total,
+            "groups_with_other_bits": differ, "max_abs_difference": largest}
+
+
+def draw_sizes(cfg, engine, problems, reps: int) -> dict:
+    """Lever 2: milliseconds per prompt of one draw of 8, 24 and 64 prompts (medians)."""
+    from pipeline.models.engines import SamplingParams
+    from pipeline.tasks import catalog
+
+    rc = cfg.rollout
+    per_prompt: dict[int, list[float]] = {}
+    for rep in range(reps):
+        for n in (8, 24, 64):
+            prompts = [catalog.format_prompt(p.problem) for p in problems[:n]]
+            draws = max(1, 64 // n)
+            t0 = time.perf_counter()
+            for seed in range(draws):
+                engine.generate(prompts, SamplingParams(rc.group_size, rc.temperature, rc.top_p, rc.max_new_tokens,
+                                                        seed))
+            per_prompt.setdefault(n, []).append((time.perf_counter() - t0) / (draws * n) * 1e3)
+    return {f"ms_per_prompt_{n}": round(statistics.median(v), 2) for n, v in per_prompt.items()}
+
+
+def shared_prefill(cfg, engine, problems, reps: int) -> dict:
+    """Lever 3: draw time with the prefill once per prompt / once per row, and equal draws."""
+    from pipeline.models.engines import SamplingParams, hf
+    from pipeline.tasks import catalog
+
+    rc, run_length = cfg.rollout, hf.prompt_runs
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    same = True
+    try:
+        for rep in range(2 * reps):
+            prompts = [catalog.format_prompt(p.problem) for p in problems[24 * rep:24 * rep + 24]]
+            params = SamplingParams(rc.group_size, rc.temperature, rc.top_p, rc.max_new_tokens, rep)
+            drawn = {}
+            for shared in ((True, False) if rep % 2 == 0 else (False, True)):
+                hf.prompt_runs = run_length if shared else (lambda ids: 1)
+                t0 = time.perf_counter()
+                drawn[shared] = [(c.token_ids, c.logprobs) for g in engine.generate(prompts, params) for c in g]
+                seconds[shared].append(time.perf_counter() - t0)
+            same = same and drawn[True] == drawn[False]
+    finally:
+        hf.prompt_runs = run_length
+    return {"shared_over_every_row": round(statistics.median(seconds[True]) / statistics.median(seconds[False]), 3),
+            "same_draws": same}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="tiny-regime")
+    ap.add_argument("--pools", type=int, default=12)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+
+    from pipeline.core import kernels
+    from pipeline.core.config import load_config
+    from pipeline.models.engines.hf import TransformersEngine
+    from pipeline.models.runtime import make_runtime
+    from pipeline.tasks import catalog
+    from pipeline.training.loop import new_state
+    from stages import base_model as base_stage
+    from stages.base_model import model_path
+
+    cfg = load_config(args.preset, [])
+    path = model_path(base_stage.run(cfg))
+    engine = TransformersEngine(path, threads=1, dtype=cfg.rollout.dtype)
+    problems = catalog.splits(cfg.task)["train"]
+    st = new_state(cfg, path, path, make_runtime(cfg.train))
+    with tempfile.TemporaryDirectory(prefix="ggpo-levers-") as tmp:
+        pools = sampled_pools(cfg, engine, problems, args.pools, Path(tmp))
+    result = {"preset": args.preset, "kernels": kernels.state(),
+              "reference": reference_batching(cfg, st.reference, pools, engine.tokenizer.pad_token_id, args.reps),
+              "draws": draw_sizes(cfg, engine, problems, args.reps),
+              "shared_prefill": shared_prefill(cfg, engine, problems, args.reps)}
+    ref, draws = result["reference"], result["draws"]
+    print(f"reference batched per micro-batch / per group: {ref['batched_over_per_group']:.2f}x time; "
+          f"{ref['groups_with_other_bits']} of {ref['groups']} groups with other bits "
+          f"(max |difference| {ref['max_abs_difference']:.2g})")
+    print("sampler draw, ms per prompt: " + ", ".join(f"{k.rsplit('_', 1)[1]} prompts {v}" for k, v in draws.items())
+          + f" ({draws['ms_per_prompt_8'] / draws['ms_per_prompt_24']:.2f}x from 8 to 24)")
+    sp = result["shared_prefill"]
+    print(f"prefill once per prompt / once per row: {sp['shared_over_every_row']:.2f}x draw time, "
+          f"same draws: {sp['same_draws']}")
+    print(json.dumps(result, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
