@@ -184,11 +184,11 @@ def test_the_testbeds_commands_run_the_papers_three_seeds_in_one_command(flow, s
 
 def test_all_is_every_registered_method_and_refused_where_ambiguous():
     """experiment.methods=["all"]: every method of the table in its order (the built-in
-    fifteen here; a plugin's too, tests/test_methods.py), variants named beside it after;
+    twenty here; a plugin's too, tests/test_methods.py), variants named beside it after;
     a method named beside it, or "all" twice, is one config error."""
     from pipeline.core import methods
     cfg = smoke(methods=["all"])
-    assert cfg.experiment.methods == list(methods.names()) and len(methods.names()) >= 15
+    assert cfg.experiment.methods == list(methods.names()) and len(methods.names()) >= 20
     assert [c.method for c in grid.cells(cfg)] == list(methods.names())
     with_variant = smoke(methods=["all", "ggpo_clip"], variants=CLIP)
     assert with_variant.experiment.methods == list(methods.names()) + ["ggpo_clip"]

@@ -88,7 +88,7 @@ def test_micro_batches_sum_to_the_update():
 
 def test_registry_rejects_unknown_method():
     assert get_loss("grpo") is grpo_loss and get_loss("ggpo") is ggpo_loss
-    with pytest.raises(ValueError, match="known: agro, cispo, decoupled_ppo, dppo_tv, geo_mask, ggpo, grpo, grpo_tis, gspo, icepop, m2po, opsm, plain_is, tis_seq, topr"):
+    with pytest.raises(ValueError, match="known: agro, cispo, decoupled_ppo, dppo_kl, dppo_tv, geo_mask, ggpo, gmpo, grpo, grpo_tis, gspo, icepop, m2po, opmd, opsm, plain_is, sapo, tis_seq, topr, vespo"):
         get_loss("ppo")
 
 

@@ -47,7 +47,8 @@ FACTS = [
     *[([f"train.method={name}"], None, old, beh, False) for name, old, beh in (
         ("tis_seq", True, True), ("icepop", True, True), ("geo_mask", True, True), ("opsm", True, True),
         ("cispo", True, False), ("gspo", True, False), ("m2po", True, True), ("dppo_tv", False, True),
-        ("decoupled_ppo", True, True), ("topr", True, False), ("plain_is", False, True))],
+        ("decoupled_ppo", True, True), ("topr", True, False), ("plain_is", False, True), ("sapo", True, False),
+        ("vespo", True, True), ("dppo_kl", True, False), ("gmpo", True, False), ("opmd", False, False))],
 ]
 
 
@@ -88,7 +89,7 @@ def test_a_correction_option_applies_to_its_methods_only_and_is_key_neutral_at_i
 def test_an_unknown_method_names_the_field_and_the_known_methods():
     with pytest.raises(ConfigError) as err:
         load_config("smoke", ["train.method=ppo"])
-    assert "train.method: unknown 'ppo'; known: agro, cispo, decoupled_ppo, dppo_tv, geo_mask, ggpo, grpo, grpo_tis, gspo, icepop, m2po, opsm, plain_is, tis_seq, topr" in str(err.value)
+    assert "train.method: unknown 'ppo'; known: agro, cispo, decoupled_ppo, dppo_kl, dppo_tv, geo_mask, ggpo, gmpo, grpo, grpo_tis, gspo, icepop, m2po, opmd, opsm, plain_is, sapo, tis_seq, topr, vespo" in str(err.value)
 
 
 PLUGIN = textwrap.dedent('''
@@ -190,7 +191,7 @@ def test_a_plugin_method_is_in_all_and_in_the_corrections_table(plugin, tmp_path
 
     from pipeline.reports import corrections as table
     cfg = load_config("corrections")
-    assert cfg.experiment.methods[-2:] == ["toy", "toy_beh"] and cfg.experiment.methods[:15] == list(methods.BUILT_IN)
+    assert cfg.experiment.methods[-2:] == ["toy", "toy_beh"] and cfg.experiment.methods[:20] == list(methods.BUILT_IN)
     on_evals, on_curves, off_evals, off_curves = corrections_cache(tmp_path / "cache", methods=("grpo_tis", "toy"))
     text, _, csv = table.write(on_evals, on_curves, off_evals, off_curves, tmp_path / "r", "mean@8")
     assert "| Toy REINFORCE (`toy`) | " in text and "| toy | N=1 | 3 | " in text

@@ -108,7 +108,10 @@ class FilterConfig(Section):
 # each applies only to the methods whose Method.options name it (TrainConfig's validator)
 CORRECTION_OPTIONS = ("is_threshold_low", "is_threshold_high", "geo_mask_low", "geo_mask_high", "opsm_delta",
                       "cispo_eps_clip_low", "cispo_eps_clip_high", "gspo_eps_low", "gspo_eps_high", "m2_threshold",
-                      "behave_imp_weight_cap", "dppo_mask_low", "dppo_mask_high", "dppo_kl_tau")
+                      "behave_imp_weight_cap", "dppo_mask_low", "dppo_mask_high", "dppo_kl_tau", "sapo_tau_pos",
+                      "sapo_tau_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+                      "dppo_kl_delta_low", "dppo_kl_delta_high", "dppo_kl_clip_c", "gmpo_eps_low", "gmpo_eps_high",
+                      "opmd_tau", "opmd_baseline")
 
 
 class TrainConfig(Section):
@@ -147,6 +150,19 @@ class TrainConfig(Section):
     dppo_mask_low: float = Field(0.2, ge=0)          # dppo_tv: probability-difference trust region (prime-rl)
     dppo_mask_high: float = Field(0.2, ge=0)
     dppo_kl_tau: float = Field(1e-3, ge=0)           # dppo_tv: + kl_tau (log pi/mu)^2 a token (prime-rl)
+    sapo_tau_pos: float = Field(1.0, gt=0)           # sapo: gate temperature where A > 0, else tau_neg (verl, TRL)
+    sapo_tau_neg: float = Field(1.05, gt=0)
+    vespo_k_pos: float = Field(2.0, ge=0)            # vespo: phi(W) = W^k exp(lambda (1 - W)), (k, lambda) by
+    vespo_lambda_pos: float = Field(3.0, gt=0)       #   the sign of A: pos where A >= 0 (TRL)
+    vespo_k_neg: float = Field(3.0, ge=0)
+    vespo_lambda_neg: float = Field(2.0, gt=0)
+    dppo_kl_delta_low: float = Field(0.2, ge=0)      # dppo_kl: binary-KL trust region (verl's clip_ratio_low/high)
+    dppo_kl_delta_high: float = Field(0.2, ge=0)
+    dppo_kl_clip_c: float = Field(3.0, gt=0)         # dppo_kl: sg(min(pi/pi_old, C)) (verl's actor clip_ratio_c)
+    gmpo_eps_low: float = Field(0.4, ge=0)           # gmpo: token log-ratio clip [-low, high] (TRL, verl's GMPO example)
+    gmpo_eps_high: float = Field(0.4, ge=0)
+    opmd_tau: float = Field(1.0, gt=0)               # opmd: baseline temperature and the 1/(1 + tau) (Trinity-RFT)
+    opmd_baseline: Literal["logavgexp", "mean"] = "logavgexp"   # opmd: tau log-mean-exp or the mean (Trinity's default)
     # reference refresh every t_ref updates; "fixed" = never; "default" = the method's
     # default_t_ref (pipeline/core/methods.py: GRPO and GRPO+TIS fixed, AGRO and GGPO 160)
     t_ref: int | Literal["fixed", "default"] = "default"

@@ -82,6 +82,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     _correction("decoupled_ppo", "Decoupled PPO", old=True, beh=True, options=("behave_imp_weight_cap",)),
     _correction("topr", "TOPR", old=True, beh=False),
     _correction("plain_is", "Plain IS", old=False, beh=True),
+    _correction("sapo", "SAPO", old=True, beh=False, options=("sapo_tau_pos", "sapo_tau_neg")),
+    _correction("vespo", "VESPO", old=True, beh=True,
+                options=("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
+    _correction("dppo_kl", "DPPO-KL", old=True, beh=False,
+                options=("dppo_kl_delta_low", "dppo_kl_delta_high", "dppo_kl_clip_c")),
+    _correction("gmpo", "GMPO", old=True, beh=False, options=("gmpo_eps_low", "gmpo_eps_high")),
+    _correction("opmd", "OPMD", old=False, beh=False, options=("opmd_tau", "opmd_baseline")),
 )}
 BUILT_IN = tuple(METHODS)
 _loaded: set[str] = set()

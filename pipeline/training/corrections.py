@@ -4,9 +4,9 @@ Math and sources: docs/math.md, section "Off-policy corrections" (each formula i
 the framework and file it was read from, and where two frameworks disagree, which one these
 follow). Tensors are [G, m, T] as in losses.py: lp (learner, with grad), lp_beh (the engine's
 behavior log-probs mu), lp_old (the trainer's step-start recompute pi_old), mask, rewards [G, m].
-A = group_advantages(rewards) as GRPO's. Every loss adds beta * K3(lp, lp_ref) per token as
-GRPO does (pathwise, never reweighted or masked), so the methods differ only in their
-correction; train.beta = 0 removes it. Aggregation: `aggregate` with train.aggregation
+A = group_advantages(rewards) as GRPO's (OPMD: rewards minus its own baseline). Every loss adds
+beta * K3(lp, lp_ref) per token as GRPO does (pathwise, never reweighted or masked), so the
+methods differ only in their correction; train.beta = 0 removes it. Aggregation: `aggregate` with train.aggregation
 (token-mean over the whole update by default); a rule's masked tokens stay in T_tot.
 
 Metrics, each a detached 0-dim tensor additive over micro-batches: pg_loss, kl_ref_k3 and, per
@@ -16,6 +16,8 @@ act on whole responses also give the fraction of the update's responses (`seq_tr
 `seq_mask_frac`). Ratios are exponentiated through losses.safe_exp_ratio (the +-20 guard).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -241,3 +243,101 @@ def plain_is_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     assert inp.lp_beh is not None
     adv = _advantages(inp, cfg)
     return _finish(-adv * safe_exp_ratio(inp.lp - inp.lp_beh), inp, cfg, {})
+
+
+def _by_sign(adv: Tensor, pos: float, neg: float, strict: bool = True) -> Tensor:
+    """[G, m, 1]: `pos` where A > 0 (A >= 0 when not `strict`), else `neg`, in A's dtype."""
+    return torch.where(adv > 0 if strict else adv >= 0, adv.new_tensor(pos), adv.new_tensor(neg))
+
+
+def sapo_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
+    """SAPO (verl, TRL): loss_tok = -f(r) A with the soft gate f(r) = (4 / tau) sigmoid(tau (r - 1)),
+    r = pi/pi_old differentiated through the gate (d f / d r = 1 at r = 1), tau =
+    train.sapo_tau_pos where A > 0, else train.sapo_tau_neg. lp, lp_old [G, m, T] -> 0-dim."""
+    _need(inp, "sapo", old=True)
+    assert inp.lp_old is not None
+    adv = _advantages(inp, cfg)
+    tau = _by_sign(adv, cfg.sapo_tau_pos, cfg.sapo_tau_neg)                          # [G, m, 1]
+    gate = torch.sigmoid(tau * (safe_exp_ratio(inp.lp - inp.lp_old) - 1.0)) * (4.0 / tau)
+    return _finish(-gate * adv, inp, cfg, {})
+
+
+# TRL's lower bound on VESPO's log weights (log 1e-8, its "matching the original implementation")
+VESPO_LOG_W_MIN = math.log(1e-8)
+
+
+def vespo_weights(log_w: Tensor, adv: Tensor, cfg: TrainConfig) -> Tensor:
+    """VESPO's phi(W) = W^k exp(lambda (1 - W)) (phi(1) = 1, its peak at W = k / lambda), in log
+    space as TRL; (k, lambda) = train.vespo_*_pos where A >= 0, else *_neg. [G, m, 1] -> [G, m, 1]."""
+    k = _by_sign(adv, cfg.vespo_k_pos, cfg.vespo_k_neg, strict=False)
+    lam = _by_sign(adv, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg, strict=False)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+
+
+def vespo_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
+    """VESPO (TRL `get_gamma_weights`): loss_tok = -sg(phi(W_i)) A lp, one weight per response,
+    log W_i = clip(sum_t clip(log pi/pi_old, +-20) + sum_t clip(log pi_old/mu, log 1e-8, 20),
+    log 1e-8, 20), phi of vespo_weights. lp, lp_old, lp_beh [G, m, T] -> 0-dim."""
+    _need(inp, "vespo", old=True, beh=True)
+    assert inp.lp_old is not None and inp.lp_beh is not None
+    adv = _advantages(inp, cfg)
+    log_r = torch.clamp(inp.lp.detach() - inp.lp_old, -20.0, 20.0)
+    log_is = torch.clamp(inp.lp_old - inp.lp_beh, VESPO_LOG_W_MIN, 20.0)
+    log_w = torch.clamp(((log_r + log_is) * inp.mask).sum(-1, keepdim=True), VESPO_LOG_W_MIN, 20.0)   # [G, m, 1]
+    return _finish(-vespo_weights(log_w, adv, cfg) * adv * inp.lp, inp, cfg, {})
+
+
+def binary_kl(lp: Tensor, lp_old: Tensor) -> Tensor:
+    """DPPO's binary KL of the sampled token, KL(Bern(q) || Bern(p)) with p = exp lp, q = exp
+    lp_old and verl's 1e-8 in the complement: [G, m, T] -> [G, m, T]."""
+    p, q = torch.exp(lp), torch.exp(lp_old)
+    return q * (lp_old - lp) + (1.0 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+
+
+def dppo_kl_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
+    """DPPO-Binary-KL (verl `compute_policy_loss_dppo_kl`): loss_tok = -keep A sg(min(r, C)) lp,
+    r = pi/pi_old, C = train.dppo_kl_clip_c; keep where A > 0: D <= delta_h or p <= q, else
+    D <= delta_l or p >= q (D = binary_kl, p = exp lp, q = exp lp_old, all detached; delta =
+    train.dppo_kl_delta_low/high). lp, lp_old [G, m, T] -> 0-dim."""
+    _need(inp, "dppo_kl", old=True)
+    assert inp.lp_old is not None
+    adv = _advantages(inp, cfg)
+    lp = inp.lp.detach()
+    r, d = safe_exp_ratio(lp - inp.lp_old), binary_kl(lp, inp.lp_old)
+    p, q = torch.exp(lp), torch.exp(inp.lp_old)
+    keep = torch.where(adv > 0, (d <= cfg.dppo_kl_delta_high) | (p <= q), (d <= cfg.dppo_kl_delta_low) | (p >= q))
+    over = r > cfg.dppo_kl_clip_c
+    pg = -adv * torch.clamp(r, max=cfg.dppo_kl_clip_c) * inp.lp * keep
+    return _finish(pg, inp, cfg, {"mask_frac": token_frac(~keep, inp), "trunc_frac": token_frac(over & keep, inp)})
+
+
+def gmpo_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
+    """GMPO (verl `geo_mean`, TRL experimental gmpo): per response -A R_i, R_i = exp(mean_t l_t)
+    with its gradient, l_t = min(log r, eps_h) where A > 0, max(log r, -eps_l) otherwise
+    (r = pi/pi_old, eps = train.gmpo_eps_low/high); carried on each of its tokens, so
+    train.aggregation=seq-mean-token-mean is verl's mean over responses. lp, lp_old [G, m, T]
+    -> 0-dim."""
+    _need(inp, "gmpo", old=True)
+    assert inp.lp_old is not None
+    adv = _advantages(inp, cfg)
+    x = inp.lp - inp.lp_old
+    clipped = torch.where(adv > 0, x > cfg.gmpo_eps_high, x < -cfg.gmpo_eps_low) & (adv != 0)
+    lt = torch.where(adv > 0, torch.clamp(x, max=cfg.gmpo_eps_high), torch.clamp(x, min=-cfg.gmpo_eps_low))
+    ratio = safe_exp_ratio(seq_mean(lt, inp.mask))                                    # [G, m, 1]
+    return _finish((-adv * ratio).expand_as(inp.lp), inp, cfg, {"clip_frac": token_frac(clipped, inp)})
+
+
+def opmd_advantages(rewards: Tensor, tau: float, baseline: str) -> Tensor:
+    """OPMD's advantage r_i - b per group (Trinity-RFT `OPMDGroupAdvantage`), no std: b =
+    tau (logsumexp_j(r_j / tau) - log m) ("logavgexp", >= the mean, -> it as tau -> inf) or
+    mean_j r_j ("mean"). rewards [G, m] -> [G, m]."""
+    if baseline == "mean":
+        return rewards - rewards.mean(dim=1, keepdim=True)
+    return rewards - tau * (torch.logsumexp(rewards / tau, dim=1, keepdim=True) - math.log(rewards.shape[1]))
+
+
+def opmd_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
+    """OPMD (Trinity-RFT): loss_tok = -A lp / (1 + tau), A = opmd_advantages(rewards,
+    train.opmd_tau, train.opmd_baseline); no ratio, no anchor. lp [G, m, T] -> 0-dim."""
+    adv = opmd_advantages(inp.rewards, cfg.opmd_tau, cfg.opmd_baseline)[..., None]           # [G, m, 1]
+    return _finish(-adv * inp.lp / (1.0 + cfg.opmd_tau), inp, cfg, {})
