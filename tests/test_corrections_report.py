@@ -272,3 +272,19 @@ def test_a_method_identical_to_the_reference_on_every_seed_is_not_a_test(tmp_pat
     assert zero["identical"] is False and zero["p"] is not None and abs(zero["diff"]) < 1e-12
     assert csv.filter(pl.col("identical"))["method"].to_list() == ["icepop"]
     assert any(t.startswith("Of the 5 differences") for t in text.splitlines())      # 6 tested less the identical one
+
+
+def test_resolution_line_says_nothing_resolves_with_one_seed():
+    """One seed: no difference has an interval, so the line says so instead of ending in an
+    empty list; two seeds: each setting's median half-width and 80 %-power difference."""
+    one = pl.DataFrame({"point": ["N=1"], "low": [None], "high": [None], "n": [1], "p": [None]},
+                       schema={"point": pl.String, "low": pl.Float64, "high": pl.Float64, "n": pl.Int64,
+                               "p": pl.Float64})
+    assert corrections.resolution_text(one, ["N=1"]) == (
+        "What the table resolves: nothing yet (no difference has a 95 % interval: a paired t-test needs two "
+        "seeds or more).")
+    two = pl.DataFrame({"point": ["N=1", "N=1"], "low": [-0.1, -0.3], "high": [0.1, 0.1], "n": [3, 3],
+                        "p": [0.9, 0.4]})
+    text = corrections.resolution_text(two, ["N=1", "offline"])
+    assert text.endswith("N=1: ±15.0, " + f"{100 * corrections.resolution(two, 'low', 'high', 'n', 'point')['N=1'][1]:.1f}.")
+    assert "offline" not in text

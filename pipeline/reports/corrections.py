@@ -166,6 +166,9 @@ def resolution_text(pairs: pl.DataFrame, settings: list[str], scale: float = 100
     """One line: per setting the median 95 % half-width and the 80 %-power difference."""
     res = resolution(pairs.filter(pl.col("p").is_not_null()), "low", "high", "n", "point")
     parts = [f"{s}: ±{scale * res[s][0]:.1f}, {scale * res[s][1]:.1f}" for s in settings if s in res]
+    if not parts:       # no difference has an interval: one seed, or every cell identical
+        return ("What the table resolves: nothing yet (no difference has a 95 % interval: a paired t-test "
+                "needs two seeds or more).")
     return ("What the table resolves, per setting: the median half-width of its 95 % intervals, then the "
             "difference a paired t-test of these seeds finds four times in five at the setting's median spread "
             "of the differences (80 % power, two-sided 5 %, per test; stats.detectable): " + "; ".join(parts) + ".")
