@@ -17,7 +17,7 @@ processor's own kernels):
    N = 4 32), medians over --reps.
 3. *The prefill shared by a prompt's samples* (engines/hf.shared_prefill, on by default): draws
    of 24 prompts x group_size with the prefill run once per prompt against once per row
-   (hf.prompt_runs held to 1), alternated: the median time ratio and whether every token and
+   (engine.share_prefill = False), alternated: the median time ratio and whether every token and
    log-prob is the same.
 
 It prints one line per lever and a JSON object.
@@ -81,16 +81,13 @@ def reference_batching(cfg, reference, pools, pad_id: int, reps: int) -> dict:
     for rep in range(reps):
         for pool in pools:
             groups = list(range(len(pool.responses)))
-            seconds = {}
+            sides, seconds, out = {"per": per_group, "batched": batched}, {}, {}
             for side in (("per", "batched") if rep % 2 == 0 else ("batched", "per")):
                 t0 = time.perf_counter()
-                out = per_group(pool, groups) if side == "per" else batched(pool, groups)
+                out[side] = sides[side](pool, groups)
                 seconds[side] = time.perf_counter() - t0
-                if side == "per":
-                    per = out
-                else:
-                    together = out
             ratios.append(seconds["batched"] / seconds["per"])
+            per, together = out["per"], out["batched"]
             if rep == 0:
                 for g, a in zip(groups, per):
                     real = torch.zeros_like(a, dtype=torch.bool)
@@ -125,25 +122,23 @@ def draw_sizes(cfg, engine, problems, reps: int) -> dict:
 
 def shared_prefill(cfg, engine, problems, reps: int) -> dict:
     """Lever 3: draw time with the prefill once per prompt / once per row, and equal draws."""
-    from pipeline.models.engines import SamplingParams, hf
+    from pipeline.models.engines import SamplingParams
     from pipeline.tasks import catalog
 
-    rc, run_length = cfg.rollout, hf.prompt_runs
+    rc = cfg.rollout
     seconds: dict[bool, list[float]] = {True: [], False: []}
     same = True
-    try:
-        for rep in range(2 * reps):
-            prompts = [catalog.format_prompt(p.problem) for p in problems[24 * rep:24 * rep + 24]]
-            params = SamplingParams(rc.group_size, rc.temperature, rc.top_p, rc.max_new_tokens, rep)
-            drawn = {}
-            for shared in ((True, False) if rep % 2 == 0 else (False, True)):
-                hf.prompt_runs = run_length if shared else (lambda ids: 1)
-                t0 = time.perf_counter()
-                drawn[shared] = [(c.token_ids, c.logprobs) for g in engine.generate(prompts, params) for c in g]
-                seconds[shared].append(time.perf_counter() - t0)
-            same = same and drawn[True] == drawn[False]
-    finally:
-        hf.prompt_runs = run_length
+    for rep in range(2 * reps):
+        prompts = [catalog.format_prompt(p.problem) for p in problems[24 * rep:24 * rep + 24]]
+        params = SamplingParams(rc.group_size, rc.temperature, rc.top_p, rc.max_new_tokens, rep)
+        drawn = {}
+        for shared in ((True, False) if rep % 2 == 0 else (False, True)):
+            engine.share_prefill = shared
+            t0 = time.perf_counter()
+            drawn[shared] = [(c.token_ids, c.logprobs) for g in engine.generate(prompts, params) for c in g]
+            seconds[shared].append(time.perf_counter() - t0)
+        same = same and drawn[True] == drawn[False]
+    engine.share_prefill = True
     return {"shared_over_every_row": round(statistics.median(seconds[True]) / statistics.median(seconds[False]), 3),
             "same_draws": same}
 

@@ -97,26 +97,17 @@ def test_generation_computes_logits_only_at_the_last_position(base_manifest):
     assert all(len(c.token_ids) == len(c.logprobs) > 0 for g in outs for c in g)
 
 
-def test_prompt_runs():
-    from pipeline.models.engines.hf import prompt_runs
-    a, b = [1, 2, 3], [1, 2]
-    assert prompt_runs([a, a, b, b]) == 2 and prompt_runs([a, a, a]) == 3
-    assert prompt_runs([a, b]) == prompt_runs([a]) == prompt_runs([a, a, b]) == prompt_runs([a, a, b, a]) == 1
-    assert prompt_runs([a, a, a, a]) == 4
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("lean", [True, False])
-def test_shared_prefill_changes_no_bit(base_manifest, monkeypatch, dtype, lean):
+def test_shared_prefill_changes_no_bit(base_manifest, dtype, lean):
     """A prompt's prefill computed once for its n samples (hf.shared_prefill) gives every
     token and log-prob, bit for bit, of the prefill of all n rows: in the reproducible mode each
     row's forward is a function of that row alone (ggpo's GEMM, per-row norms and attention)."""
-    from pipeline.models.engines import hf
     engine = TransformersEngine(model_path(base_manifest), batch_prompts=4, dtype=dtype)
     engine.lean = lean
     params = SamplingParams(8, 1.0, 1.0, 20, seed=5)
     shared = engine.generate(PROMPTS, params)
-    monkeypatch.setattr(hf, "prompt_runs", lambda ids: 1)
+    engine.share_prefill = False
     every = engine.generate(PROMPTS, params)
     assert [(c.token_ids, c.logprobs) for g in shared for c in g] == [(c.token_ids, c.logprobs) for g in every for c in g]
 

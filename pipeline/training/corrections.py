@@ -22,7 +22,15 @@ import math
 import torch
 
 from pipeline.core.config import TrainConfig
-from pipeline.training.losses import LossInputs, aggregate, group_advantages, k3_to_reference, ppo_clipped_pg, safe_exp_ratio
+from pipeline.training.losses import (
+    LossInputs,
+    aggregate,
+    group_advantages,
+    k3_to_reference,
+    log_mean_exp,
+    ppo_clipped_pg,
+    safe_exp_ratio,
+)
 
 Tensor = torch.Tensor
 Out = tuple[Tensor, dict[str, Tensor]]
@@ -304,8 +312,10 @@ def dppo_kl_loss(inp: LossInputs, cfg: TrainConfig) -> Out:
     adv = _advantages(inp, cfg)
     lp = inp.lp.detach()
     r, d = safe_exp_ratio(lp - inp.lp_old), binary_kl(lp, inp.lp_old)
-    p, q = torch.exp(lp), torch.exp(inp.lp_old)
-    keep = torch.where(adv > 0, (d <= cfg.dppo_kl_delta_high) | (p <= q), (d <= cfg.dppo_kl_delta_low) | (p >= q))
+    # p <= q as lp <= lp_old (exp is increasing; where exp rounds two log-probs to one value,
+    # D is ~0, within any delta > 0, and the token is kept either way)
+    keep = torch.where(adv > 0, (d <= cfg.dppo_kl_delta_high) | (lp <= inp.lp_old),
+                       (d <= cfg.dppo_kl_delta_low) | (lp >= inp.lp_old))
     over = r > cfg.dppo_kl_clip_c
     pg = -adv * torch.clamp(r, max=cfg.dppo_kl_clip_c) * inp.lp * keep
     return _finish(pg, inp, cfg, {"mask_frac": token_frac(~keep, inp), "trunc_frac": token_frac(over & keep, inp)})
@@ -333,7 +343,7 @@ def opmd_advantages(rewards: Tensor, tau: float, baseline: str) -> Tensor:
     mean_j r_j ("mean"). rewards [G, m] -> [G, m]."""
     if baseline == "mean":
         return rewards - rewards.mean(dim=1, keepdim=True)
-    return rewards - tau * (torch.logsumexp(rewards / tau, dim=1, keepdim=True) - math.log(rewards.shape[1]))
+    return rewards - log_mean_exp(rewards, tau, keepdim=True)
 
 
 def opmd_loss(inp: LossInputs, cfg: TrainConfig) -> Out:

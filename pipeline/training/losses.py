@@ -143,10 +143,15 @@ def agro_loss(inp: LossInputs, cfg: TrainConfig) -> tuple[Tensor, dict[str, Tens
     return loss, {"pg_loss": loss.detach()}
 
 
+def log_mean_exp(x: Tensor, tau: float, keepdim: bool = False) -> Tensor:
+    """tau (LSE_j(x_j / tau) - log m) over a group's m values, [G, m] -> [G] ([G, 1] with
+    `keepdim`): GGPO's soft maximum, and OPMD's log-avg-exp baseline (corrections.py)."""
+    return tau * (torch.logsumexp(x / tau, dim=1, keepdim=keepdim) - math.log(x.shape[1]))
+
+
 def ggpo_group_loss(rt: Tensor, beta: float) -> Tensor:
     """Raw GGPO loss per group, [G, m] -> [G] (spec 5.1): beta (LSE(rt/beta) - log m) - mean rt."""
-    m = rt.shape[1]
-    return beta * (torch.logsumexp(rt / beta, dim=1) - math.log(m)) - rt.mean(dim=1)
+    return log_mean_exp(rt, beta) - rt.mean(dim=1)
 
 
 def ggpo_coefficients(rt: Tensor, beta: float) -> tuple[Tensor, Tensor]:

@@ -80,31 +80,19 @@ def left_padded(ids: list[list[int]], pad_id: int, steps: int,
     return input_ids, attn, (attn[:, :width].cumsum(-1) - 1).clamp(min=0)
 
 
-def prompt_runs(ids: list[list[int]]) -> int:
-    """The length of the runs of identical rows `ids` comes in (rows r*k .. r*k + k - 1 one
-    prompt, as `generate` lays out a prompt's n samples), or 1 when it does not."""
-    rows = len(ids)
-    k = 1
-    while k < rows and ids[k] == ids[0]:
-        k += 1
-    if k == 1 or rows % k or any(ids[i] != ids[i - i % k] for i in range(rows)):
-        return 1
-    return k
-
-
-def shared_prefill(forward, ids: list[list[int]], input_ids: torch.Tensor, attn: torch.Tensor,
+def shared_prefill(forward, n: int, input_ids: torch.Tensor, attn: torch.Tensor,
                    positions: torch.Tensor) -> torch.Tensor:
-    """The prefill's logits [B, V] of rows `ids`, each distinct prompt computed once: a prompt's
-    n samples share its prompt, so the prefill runs on one row per prompt and its key/value
-    cache and logits are repeated n times (`forward.select` with repeated rows). The same bits
-    as the prefill of every row: each row's forward is a function of that row alone (the
-    padded width, set by the same prompts, is the same; tests/test_engine.py compares draws
-    with and without it), at 1/n of the FLOPs (at group size 8, ~12 % of an online cell)."""
-    k = prompt_runs(ids)
-    if k == 1:
+    """The prefill's logits [B, V] of rows that come in runs of n copies of one prompt (as
+    `_sample` lays out a prompt's n samples), each prompt computed once: the prefill runs on
+    one row per prompt and its key/value cache and logits are repeated n times
+    (`forward.select` with repeated rows). The same bits as the prefill of every row: each
+    row's forward is a function of that row alone (the padded width, set by the same prompts,
+    is the same; tests/test_engine.py compares draws with and without it), at 1/n of the
+    FLOPs (at group size 8, ~12 % of an online cell). n = 1: the plain prefill."""
+    if n == 1:
         return forward(input_ids, attn, positions)
-    logits = forward(input_ids[::k], attn[::k], positions[::k])
-    repeat = torch.arange(input_ids.shape[0] // k, device=input_ids.device).repeat_interleave(k)
+    logits = forward(input_ids[::n], attn[::n], positions[::n])
+    repeat = torch.arange(input_ids.shape[0] // n, device=input_ids.device).repeat_interleave(n)
     forward.select(repeat)
     return logits[repeat]
 
@@ -141,6 +129,7 @@ class TransformersEngine:
         self.lean_checked = False   # set once a draw's first decode step found both forwards equal
         self.lean_layouts: set = set()      # the attention layouts the lean step has proven (decode.LeanQwen3)
         self.lean_checks: list[dict] = []   # every check the lean step ran, in order (what each covered)
+        self.share_prefill = True   # a prompt's prefill once for its n samples (shared_prefill; off: every row)
         self.device = resolve_device(device)
         self.tokenizer = load_tokenizer(model_path)
         self.dtype = weights_dtype(dtype, self.device)
@@ -161,7 +150,7 @@ class TransformersEngine:
         engine = cls.__new__(cls)
         engine.model, engine.tokenizer, engine.stop_ids = model, tokenizer, list(stop_ids)
         engine.batch_prompts, engine.lean, engine.lean_checked = batch_prompts, lean, False
-        engine.lean_layouts, engine.lean_checks = set(), []
+        engine.lean_layouts, engine.lean_checks, engine.share_prefill = set(), [], True
         engine.device, engine.dtype = next(model.parameters()).device, next(model.parameters()).dtype
         return engine
 
@@ -173,7 +162,7 @@ class TransformersEngine:
         out: list[list[Completion]] = []
         for start in range(0, len(prompts), self.batch_prompts):
             batch = prompts[start:start + self.batch_prompts]
-            flat = self._sample([p for p in batch for _ in range(params.n)], params, gen)
+            flat = self._sample(batch, params, gen)
             out.extend(flat[i * params.n:(i + 1) * params.n] for i in range(len(batch)))
             if progress is not None:
                 progress(len(batch))
@@ -205,10 +194,11 @@ class TransformersEngine:
 
     @torch.inference_mode()     # no_grad's tokens, less bookkeeping per op (~5 % of a small draw)
     def _sample(self, prompts: list[str], params: SamplingParams, gen: torch.Generator) -> list[Completion]:
-        """One batch of rows decoded together, every forward under the device's attention
-        kernels (runtime.attention_backends)."""
+        """params.n rows per prompt, a prompt's rows one after the other (each prompt tokenized
+        once), decoded together, every forward under the device's attention kernels
+        (runtime.attention_backends)."""
         self.model.eval()
-        ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        ids = [x for x in (self.tokenizer(p)["input_ids"] for p in prompts) for _ in range(params.n)]
         with attention_backends(self.device):
             return self._decode(ids, params, gen)
 
@@ -231,7 +221,8 @@ class TransformersEngine:
         t = 0
         for t in range(steps):
             interrupt.check("generation")        # a safe point: nothing of this batch is kept
-            logits = (shared_prefill(forward, ids, input_ids, attn[:, :width], step_pos) if t == 0
+            logits = (shared_prefill(forward, params.n if self.share_prefill else 1, input_ids, attn[:, :width],
+                                     step_pos) if t == 0
                       else forward(step_ids, attn[:, :width + t], step_pos))
             nxt, logp = _draw(logits.float(), params, gen, live, rows)
             nxt = torch.where(done, torch.full_like(nxt, tok.pad_token_id), nxt)
