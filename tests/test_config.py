@@ -15,12 +15,25 @@ def test_tiny_regime_is_the_online_loop_on_countdown_with_refresh_for_every_meth
     cfg = load_config("tiny-regime")
     assert cfg.experiment.flow == "online" and cfg.task.name == "countdown" and cfg.train.updates == 128
     cells = grid.cells(cfg)
-    assert [c.method for c in cells] == ["grpo", "grpo_tis", "agro", "ggpo"]
+    assert [c.method for c in cells] == ["grpo", "grpo_tis", "agro", "ggpo"] * len(FIVE_SEEDS)
+    assert [c.seed for c in cells[::4]] == list(FIVE_SEEDS)
     assert {c.config.train.refresh_every() for c in cells} == {10}
     # the staleness ladder of its header passes the online geometry checks (N = 64 included)
     from pipeline.dag.preflight import check_run
-    _, ladder = check_run("online", "tiny-regime", {"experiment.grid": {"train.updates_per_step": [1, 4, 16, 64]}})
+    _, ladder = check_run("online", "tiny-regime", {"experiment.grid": {"train.updates_per_step": [1, 4, 16, 64]},
+                                                    "experiment.seeds": [42]})
     assert sorted({c.config.train.updates_per_step for c in ladder}) == [1, 4, 16, 64] and len(ladder) == 16
+
+
+# issue #45: the corrections table and the testbed run five seeds unless told otherwise
+FIVE_SEEDS = (42, 1234, 2027, 3407, 8191)
+
+
+@pytest.mark.parametrize("preset", ["corrections", "tiny-regime", "tiny-regime-long", "tiny-regime-long-w4"])
+def test_the_table_and_testbed_presets_default_to_five_seeds(preset):
+    cfg = load_config(preset)
+    assert cfg.experiment.seeds == list(FIVE_SEEDS) and cfg.seed == FIVE_SEEDS[0]
+    assert load_config(preset, ["experiment.seeds=[42]"]).experiment.seeds == [42]
 
 
 def test_overrides_from_cli_strings_and_dict():

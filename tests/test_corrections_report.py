@@ -73,7 +73,8 @@ def corrections_cache(tmp: Path, old: bool = False, methods=("grpo_tis", "cispo"
     """The two parts' evaluations and curves as the corrections flow collects them: real
     cells of the corrections preset (N in {1, 4}, 8 updates, three seeds)."""
     cfg = load_config("corrections", {"experiment.methods": list(methods), "train.updates": UPDATES,
-                                      "experiment.grid": {"train.updates_per_step": [1, 4]}})
+                                      "experiment.grid": {"train.updates_per_step": [1, 4]},
+                                      "experiment.seeds": list(SEEDS)})
     records, curves = [], []
     for cell in grid.cells(cfg):
         n = cell.config.train.updates_per_step
@@ -199,16 +200,17 @@ def test_the_preset_runs_every_registered_method_on_the_ladder_three_seeds_and_t
     from pipeline.dag import graph
     cfg = load_config("corrections")
     assert cfg.experiment.methods == list(methods.names()) and cfg.experiment.flow == "corrections"
-    assert cfg.experiment.seeds == list(SEEDS) and cfg.experiment.grid == {"train.updates_per_step": [1, 4, 16, 64]}
-    assert len(grid.cells(cfg)) == len(methods.names()) * 4 * 3
-    assert len(grid.cells(corrections.offline_config(cfg))) == len(methods.names()) * 3
+    seeds = [42, 1234, 2027, 3407, 8191]      # the preset's five (issue #45)
+    assert cfg.experiment.seeds == seeds and cfg.experiment.grid == {"train.updates_per_step": [1, 4, 16, 64]}
+    assert len(grid.cells(cfg)) == len(methods.names()) * 4 * len(seeds)
+    assert len(grid.cells(corrections.offline_config(cfg))) == len(methods.names()) * len(seeds)
     schedules = {"experiment": True, "train": {"eval_every"}, "online": {"drift_every", "share_pools"}}
     testbed = load_config("tiny-regime")
     assert cfg.model_dump(exclude=schedules) == testbed.model_dump(exclude=schedules)
     assert (cfg.train.eval_every, cfg.online.drift_every, cfg.online.share_pools) == (None, 4, True)
     assert (testbed.train.eval_every, testbed.online.drift_every, testbed.online.share_pools) == (64, 1, False)
     ladder = grid.cells(load_config("tiny-regime", {"experiment.grid": {"train.updates_per_step": [1, 4, 16, 64]},
-                                                    "experiment.seeds": list(SEEDS)}))
+                                                    "experiment.seeds": seeds}))
     ours = {(c.seed, c.label): c.config for c in grid.cells(cfg)}
     for cell in ladder:        # the testbed's cells are ours: the same stage keys (one round's, for time)
         assert graph.online_keys(ours[(cell.seed, cell.label)], 0) == graph.online_keys(cell.config, 0)

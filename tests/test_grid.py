@@ -171,7 +171,7 @@ def test_the_testbeds_commands_run_the_papers_three_seeds_in_one_command(flow, s
     tables group the seeds of a cell (same label) into mean ± std."""
     from pipeline.core.config import parse_overrides
     from pipeline.dag.preflight import flow_overrides
-    one = grid.cells(load_config("tiny-regime", flow_overrides(parse_overrides(sets))))
+    one = grid.cells(load_config("tiny-regime", flow_overrides(parse_overrides(sets + ["experiment.seeds=[42]"]))))
     three = grid.cells(load_config("tiny-regime", flow_overrides(parse_overrides(sets + ["experiment.seeds=[42,1234,2027]"]))))
     assert len(one) == cells_per_seed and len(three) == 3 * cells_per_seed
     assert [c.seed for c in three] == [42] * cells_per_seed + [1234] * cells_per_seed + [2027] * cells_per_seed
