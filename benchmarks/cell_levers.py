@@ -1,4 +1,4 @@
-"""Three levers on an online cell's time, measured side by side, with whether they move bits (#45).
+"""Four levers on an online cell's time, measured side by side, with whether they move bits (#45).
 
     .venv/bin/python benchmarks/cell_levers.py [--preset tiny-regime] [--pools 12] [--reps 3]
 
@@ -20,7 +20,13 @@ processor's own kernels):
    (engine.share_prefill = False), alternated: the median time ratio and whether every token and
    log-prob is the same.
 
-It prints one line per lever and a JSON object.
+4. *The shared prompt in the no-gradient forwards* (pipeline/training/shared_prompt.py, on by
+   default): the reference's per-group forwards of lever 1 with each group's prompt run once
+   through the token-wise layers against the plain forward (shared_prompt.ENABLED = False),
+   alternated: the median time ratio and whether every log-prob is the same.
+
+It prints one line per lever and a JSON object; `--only reference,draws,prefill,prompt` runs
+some of them.
 """
 from __future__ import annotations
 
@@ -101,6 +107,37 @@ def reference_batching(cfg, reference, pools, pad_id: int, reps: int) -> dict:
             "groups_with_other_bits": differ, "max_abs_difference": largest}
 
 
+def shared_prompt_forward(cfg, reference, pools, pad_id: int, reps: int) -> dict:
+    """Lever 4: time ratio shared / plain of the reference's per-group forwards, and whether
+    any log-prob differs in any bit."""
+    from pipeline.models.runtime import make_runtime
+    from pipeline.training import shared_prompt
+    from pipeline.training.loop import policy_logprobs
+    from pipeline.training.reference import ReferenceCache
+
+    rt = make_runtime(cfg.train)
+
+    def per_group(pool, shared: bool):
+        shared_prompt.ENABLED = shared
+        try:
+            return ReferenceCache(False).get(reference, pool, list(range(len(pool.responses))), pad_id, rt,
+                                             cfg.rollout.temperature, policy_logprobs)
+        finally:
+            shared_prompt.ENABLED = True
+
+    ratios, same = [], True
+    for rep in range(reps):
+        for pool in pools:
+            seconds, out = {}, {}
+            for shared in ((False, True) if rep % 2 == 0 else (True, False)):
+                t0 = time.perf_counter()
+                out[shared] = per_group(pool, shared)
+                seconds[shared] = time.perf_counter() - t0
+            ratios.append(seconds[True] / seconds[False])
+            same = same and all(torch.equal(a, b) for a, b in zip(out[False], out[True]))
+    return {"shared_over_plain": round(statistics.median(ratios), 3), "same_logprobs": same}
+
+
 def draw_sizes(cfg, engine, problems, reps: int) -> dict:
     """Lever 2: milliseconds per prompt of one draw of 8, 24 and 64 prompts (medians)."""
     from pipeline.models.engines import SamplingParams
@@ -148,7 +185,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preset", default="tiny-regime")
     ap.add_argument("--pools", type=int, default=12)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", default="reference,draws,prefill,prompt")
     args = ap.parse_args(argv)
+    only = set(args.only.split(","))
     torch.set_num_threads(1)
 
     from pipeline.core import kernels
@@ -167,19 +206,25 @@ def main(argv: list[str] | None = None) -> dict:
     st = new_state(cfg, path, path, make_runtime(cfg.train))
     with tempfile.TemporaryDirectory(prefix="ggpo-levers-") as tmp:
         pools = sampled_pools(cfg, engine, problems, args.pools, Path(tmp))
-    result = {"preset": args.preset, "kernels": kernels.state(),
-              "reference": reference_batching(cfg, st.reference, pools, engine.tokenizer.pad_token_id, args.reps),
-              "draws": draw_sizes(cfg, engine, problems, args.reps),
-              "shared_prefill": shared_prefill(cfg, engine, problems, args.reps)}
-    ref, draws = result["reference"], result["draws"]
-    print(f"reference batched per micro-batch / per group: {ref['batched_over_per_group']:.2f}x time; "
-          f"{ref['groups_with_other_bits']} of {ref['groups']} groups with other bits "
-          f"(max |difference| {ref['max_abs_difference']:.2g})")
-    print("sampler draw, ms per prompt: " + ", ".join(f"{k.rsplit('_', 1)[1]} prompts {v}" for k, v in draws.items())
-          + f" ({draws['ms_per_prompt_8'] / draws['ms_per_prompt_24']:.2f}x from 8 to 24)")
-    sp = result["shared_prefill"]
-    print(f"prefill once per prompt / once per row: {sp['shared_over_every_row']:.2f}x draw time, "
-          f"same draws: {sp['same_draws']}")
+    pad_id = engine.tokenizer.pad_token_id
+    result: dict = {"preset": args.preset, "kernels": kernels.state()}
+    if "reference" in only:
+        ref = result["reference"] = reference_batching(cfg, st.reference, pools, pad_id, args.reps)
+        print(f"reference batched per micro-batch / per group: {ref['batched_over_per_group']:.2f}x time; "
+              f"{ref['groups_with_other_bits']} of {ref['groups']} groups with other bits "
+              f"(max |difference| {ref['max_abs_difference']:.2g})")
+    if "draws" in only:
+        draws = result["draws"] = draw_sizes(cfg, engine, problems, args.reps)
+        print("sampler draw, ms per prompt: " + ", ".join(f"{k.rsplit('_', 1)[1]} prompts {v}" for k, v in draws.items())
+              + f" ({draws['ms_per_prompt_8'] / draws['ms_per_prompt_24']:.2f}x from 8 to 24)")
+    if "prefill" in only:
+        sp = result["shared_prefill"] = shared_prefill(cfg, engine, problems, args.reps)
+        print(f"prefill once per prompt / once per row: {sp['shared_over_every_row']:.2f}x draw time, "
+              f"same draws: {sp['same_draws']}")
+    if "prompt" in only:
+        pr = result["shared_prompt"] = shared_prompt_forward(cfg, st.reference, pools, pad_id, args.reps)
+        print(f"reference forward, shared prompt / plain: {pr['shared_over_plain']:.2f}x time, "
+              f"same log-probs: {pr['same_logprobs']}")
     print(json.dumps(result, default=str))
     return result
 
