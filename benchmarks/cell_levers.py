@@ -25,8 +25,14 @@ processor's own kernels):
    through the token-wise layers against the plain forward (shared_prompt.ENABLED = False),
    alternated: the median time ratio and whether every log-prob is the same.
 
-It prints one line per lever and a JSON object; `--only reference,draws,prefill,prompt` runs
-some of them.
+5. *The shared prompt in the policy's forward with gradient* (shared_prompt.WITH_GRAD, on by
+   default since kernels.VERSION 3: it moves training's bits): one forward and backward of each
+   pool's micro-batch, shared against plain, alternated: the median time ratio, whether the
+   log-probs are the same (they are: the forward is lever 4's) and the largest relative
+   difference of a weight's gradient.
+
+It prints one line per lever and a JSON object; `--only reference,draws,prefill,prompt,grad`
+runs some of them.
 """
 from __future__ import annotations
 
@@ -138,6 +144,44 @@ def shared_prompt_forward(cfg, reference, pools, pad_id: int, reps: int) -> dict
     return {"shared_over_plain": round(statistics.median(ratios), 3), "same_logprobs": same}
 
 
+def shared_prompt_backward(cfg, model, pools, pad_id: int, reps: int) -> dict:
+    """Lever 5: time ratio shared / plain of a micro-batch's forward and backward, whether the
+    log-probs are the same and the largest relative difference of a weight's gradient."""
+    from pipeline.models.runtime import make_runtime
+    from pipeline.training import shared_prompt
+    from pipeline.training.loop import policy_logprobs
+    from pipeline.training.pool import batch
+
+    rt = make_runtime(cfg.train)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def forward_backward(pool, shared: bool):
+        shared_prompt.WITH_GRAD = shared
+        try:
+            model.zero_grad(set_to_none=True)
+            b = batch(pool, list(range(len(pool.responses))), pad_id, rt.packed, rt.bucket_overhead)
+            lp, _ = policy_logprobs(model, b, rt, cfg.rollout.temperature, with_entropy=True)
+            (lp * b.mask).sum().backward()
+            return lp.detach(), [p.grad.clone() for p in params]
+        finally:
+            shared_prompt.WITH_GRAD = True
+
+    ratios, same, largest = [], True, 0.0
+    for rep in range(reps):
+        for pool in pools:
+            seconds, out = {}, {}
+            for shared in ((False, True) if rep % 2 == 0 else (True, False)):
+                t0 = time.perf_counter()
+                out[shared] = forward_backward(pool, shared)
+                seconds[shared] = time.perf_counter() - t0
+            ratios.append(seconds[True] / seconds[False])
+            same = same and torch.equal(out[False][0], out[True][0])
+            for a, b in zip(out[False][1], out[True][1]):
+                largest = max(largest, ((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item())
+    return {"shared_over_plain": round(statistics.median(ratios), 3), "same_logprobs": same,
+            "max_rel_grad_difference": largest}
+
+
 def draw_sizes(cfg, engine, problems, reps: int) -> dict:
     """Lever 2: milliseconds per prompt of one draw of 8, 24 and 64 prompts (medians)."""
     from pipeline.models.engines import SamplingParams
@@ -185,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--preset", default="tiny-regime")
     ap.add_argument("--pools", type=int, default=12)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--only", default="reference,draws,prefill,prompt")
+    ap.add_argument("--only", default="reference,draws,prefill,prompt,grad")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
     torch.set_num_threads(1)
@@ -225,6 +269,11 @@ def main(argv: list[str] | None = None) -> dict:
         pr = result["shared_prompt"] = shared_prompt_forward(cfg, st.reference, pools, pad_id, args.reps)
         print(f"reference forward, shared prompt / plain: {pr['shared_over_plain']:.2f}x time, "
               f"same log-probs: {pr['same_logprobs']}")
+    if "grad" in only:
+        gr = result["shared_prompt_grad"] = shared_prompt_backward(cfg, st.model, pools, pad_id, args.reps)
+        print(f"policy forward + backward, shared prompt / plain: {gr['shared_over_plain']:.2f}x time, "
+              f"same log-probs: {gr['same_logprobs']}, gradients differ by <= {gr['max_rel_grad_difference']:.2g} "
+              f"(relative to each weight's largest)")
     print(json.dumps(result, default=str))
     return result
 

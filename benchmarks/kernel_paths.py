@@ -18,6 +18,8 @@ thread, it hashes (sha256, 16 hex, of dtype, shape and bytes):
                   and log-probs of 4 prompts x group_size, the preset's max_new_tokens)
     update        the parameters after one AdamW step on the chunked LM head's log-probs (the
                   training path's arithmetic: ggpo's product, pipeline/training/optim.py's AdamW)
+    shared_update the same step on the trainer's log-probs of 2 groups x 4 rows that share
+                  their group's prompt (pipeline/training/shared_prompt.py: the gathers' backward)
 
 --check compares them with tests/data/kernel_golden.json and exits 1 naming what moved and
 this processor's capability (tests/test_kernel_paths.py runs it; the machines that run the
@@ -46,7 +48,7 @@ import torch  # noqa: E402
 import pipeline  # noqa: E402,F401   # pins the kernels before torch runs anything
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "data" / "kernel_golden.json"
-RESULTS = ("fp32_logits", "fp32_grads", "bf16_logits", "draw", "update")
+RESULTS = ("fp32_logits", "fp32_grads", "bf16_logits", "draw", "update", "shared_update")
 # other kernel choices, each in a child process (set before torch runs anything)
 PATHS = {"native": {"GGPO_KERNELS": "native"},
          "native_aten_default": {"GGPO_KERNELS": "native", "ATEN_CPU_CAPABILITY": "default"}}
@@ -103,6 +105,25 @@ def update_hash(cfg) -> str:
     return digest(*[p.detach() for p in model.parameters()])
 
 
+def shared_update_hash(cfg) -> str:
+    """The parameters after one AdamW step on -mean(adv * lp) over policy.token_logprobs of
+    seeded rows, 2 prompts x 4 responses (the shared-prompt forward and its backward)."""
+    from pipeline.training.optim import AdamW
+    from pipeline.training.policy import make_batch, token_logprobs
+
+    model, tokenizer = _model(cfg)
+    g = torch.Generator().manual_seed(2)
+    rand = lambda n: torch.randint(4, len(tokenizer), (n,), generator=g).tolist()   # noqa: E731
+    prompts = [p for p in (rand(11), rand(14)) for _ in range(4)]
+    responses = [rand(3 + 5 * i) for i in range(8)]
+    batch = make_batch(prompts, responses, tokenizer.pad_token_id)
+    lp, _ = token_logprobs(model, batch, cfg.rollout.temperature)
+    adv = torch.randn(lp.shape, generator=torch.Generator().manual_seed(3))
+    (-(adv * lp * batch.mask).sum() / batch.mask.sum()).backward()
+    AdamW(model.parameters(), lr=cfg.train.lr).step()
+    return digest(*[p.detach() for p in model.parameters()])
+
+
 def _engine(cfg, folder: Path, dtype: str):
     from pipeline.models.engines.hf import TransformersEngine
     from pipeline.models.tiny_model import save
@@ -133,7 +154,8 @@ def draw_hash(cfg, folder: Path) -> str:
 
 def hashes(cfg) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
-        return forward_hashes(cfg) | {"draw": draw_hash(cfg, Path(tmp)), "update": update_hash(cfg)}
+        return forward_hashes(cfg) | {"draw": draw_hash(cfg, Path(tmp)), "update": update_hash(cfg),
+                                      "shared_update": shared_update_hash(cfg)}
 
 
 def capability() -> str:

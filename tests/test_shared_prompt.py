@@ -1,6 +1,6 @@
-"""The no-gradient forward with each repeated prompt once through the token-wise layers
-(pipeline/training/shared_prompt.py): the plain forward's log-probs byte for byte, and it
-serves only where that holds."""
+"""The trainer's forward with each repeated prompt once through the token-wise layers
+(pipeline/training/shared_prompt.py): the plain forward's log-probs byte for byte, gradients
+within fp32 rounding of the fp64 ones, and it serves only where that holds."""
 from __future__ import annotations
 
 import pytest
@@ -83,12 +83,54 @@ def test_it_serves_only_where_it_keeps_the_bits(model, monkeypatch):
     batch = make_batch(*rows(vocab, 2, 8, seed=3), 0)
     with torch.no_grad():
         assert shared_prompt.serves(net, batch) == kernels.reproducible()
-    assert not shared_prompt.serves(net, batch)                  # gradient on: the plain forward
-    lp, _ = token_logprobs(net, batch, 1.0)
-    assert lp.requires_grad
+    assert shared_prompt.serves(net, batch) == kernels.reproducible()        # the policy's forward too
+    monkeypatch.setattr(shared_prompt, "WITH_GRAD", False)
+    assert not shared_prompt.serves(net, batch)
+    with torch.no_grad():
+        assert shared_prompt.serves(net, batch) == kernels.reproducible()
     packed = make_batch(*rows(vocab, 2, 8, seed=3), 0, packed=True)
     assert packed.share is None
     with torch.no_grad():
         assert not shared_prompt.serves(net, packed)
+        assert not shared_prompt.serves(net.double(), batch) and not shared_prompt.serves(net.float(), packed)
         monkeypatch.setattr(kernels, "reproducible", lambda: False)   # the native mode, or a GPU
         assert not shared_prompt.serves(net, batch)
+
+
+def gradients(net, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """log-probs and the gradient of a fixed weighted sum of them, per weight."""
+    net.zero_grad(set_to_none=True)
+    lp, _ = token_logprobs(net, batch, 0.7)
+    weights = torch.linspace(-1.0, 1.0, lp.numel(), dtype=lp.dtype).view(lp.shape)
+    (lp * weights * batch.mask.to(lp.dtype)).sum().backward()
+    return lp.detach(), [p.grad.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("bucket_overhead", [None, 64.0])
+def test_the_gradient_is_the_plain_ones_up_to_fp32_rounding(model, bucket_overhead):
+    """With gradient: the log-probs are the plain forward's bytes, and each weight's gradient
+    is as close to the exact (fp64) gradient as the plain fp32 one is, within a bound from
+    fp32's epsilon (the sums differ only in order)."""
+    import copy
+    net, vocab = model
+    net = copy.deepcopy(net)
+    batch = make_batch(*rows(vocab, 3, 8, seed=4), 0, bucket_overhead=bucket_overhead)
+    parts = batch.parts if hasattr(batch, "parts") else [batch]
+    assert kernels.reproducible() and any(shared_prompt.serves(net, b) for b in parts)
+    lp_shared, g_shared = gradients(net, batch)
+    shared_prompt.WITH_GRAD = False
+    try:
+        lp_plain, g_plain = gradients(net, batch)
+    finally:
+        shared_prompt.WITH_GRAD = True
+    _, g_exact = gradients(copy.deepcopy(net).double(), batch)
+    assert torch.equal(lp_shared, lp_plain)
+    eps = torch.finfo(torch.float32).eps
+    moved = 0
+    for (name, _), s, p, e in zip(net.named_parameters(), g_shared, g_plain, g_exact):
+        scale = e.abs().max().item()
+        bound = 64 * eps * scale      # fp32 roundings of sums over ~10^3 terms; both sides measured <= 13
+        assert (s.double() - e).abs().max().item() <= bound, name
+        assert (p.double() - e).abs().max().item() <= bound, name
+        moved += not torch.equal(s, p)
+    assert moved > 0                              # the sums did run in another order somewhere

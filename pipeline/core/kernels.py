@@ -51,7 +51,8 @@ ENV = "GGPO_KERNELS"
 MODES = ("reproducible", "native")
 PINNED = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "AVX2",
           "MKL_DYNAMIC": "FALSE", "OMP_DYNAMIC": "FALSE"}
-VERSION = 2         # bump when the reproducible numerics change: it enters every CPU key
+VERSION = 3         # bump when the reproducible numerics change: it enters every CPU key
+                    # (3: training's gradients through training/shared_prompt.py)
 MKL_COMPATIBLE = 3  # MKL_CBWR_COMPATIBLE, what mkl_cbwr_get(MKL_CBWR_BRANCH) reports when pinned
 
 log = logging.getLogger("ggpo")

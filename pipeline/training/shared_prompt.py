@@ -1,4 +1,4 @@
-"""A no-gradient forward that runs a group's shared prompt once through the token-wise layers.
+"""The trainer's forwards with a group's shared prompt run once through the token-wise layers.
 
 A group's m rows are one prompt and m responses, right-padded to one width. In the body of a
 causal LM every layer but the attention acts on each token alone (embedding, RMSNorms,
@@ -16,17 +16,24 @@ layout, with the very mask, RoPE and SDPA call transformers' Qwen3 forward makes
                 h_u = h_u + o_proj(a[rep])                         (rep: one full position per u)
                 h_u = h_u + mlp(post_attention_layernorm(h_u))
 
-Why it keeps every bit (tests/test_shared_prompt.py compares bytes against the plain forward):
-ggpo's reproducible product (pipeline/core/kernels.py) computes each output row by one fixed
-sequence of multiply-adds, whatever the number of rows, and the elementwise and last-dim
+The forward's values are the plain forward's, bit for bit (tests/test_shared_prompt.py compares
+bytes): ggpo's reproducible product (pipeline/core/kernels.py) computes each output row by one
+fixed sequence of multiply-adds, whatever the number of rows, and the elementwise and last-dim
 reductions act per token; the attention gets what transformers' forward gives it (the same
 values in the same strided layout; a pad position holds another finite token's values, which
-its mask never lets a real query read). So it serves only where that product serves (fp32 CPU
-tensors, the reproducible mode; `applies`), only without gradient (a shared row's gradient would
-sum its m rows' in another order) and only transformers' Qwen3 with SDPA full attention (the
-forward it copies, `decode.lean_supported`). Everything else, a GPU included, takes the plain
-forward: cuBLAS' products may round by their row count, so there this would move bits.
-`ENABLED = False` switches it off (its test and benchmark).
+its mask never lets a real query read). So the reference's, the anchor's and the drift's
+log-probs (no gradient) are what they were. The policy's gradient is the same sum in another
+order: a shared prompt token's weight gradient is its m rows' summed first (the gathers'
+backward), then one row of the product's, where the plain forward has m rows. So training
+takes other bits than before this module (kernels.VERSION 3 keys them apart), the same on every
+processor: the gathers' backward is ATen's at the pinned width, the rest ggpo's product.
+
+It serves only where that product serves (fp32 CPU tensors, the reproducible mode; `applies`)
+and only transformers' Qwen3 with SDPA full attention (the forward it copies,
+`decode.lean_supported`). Everything else, a GPU and the native mode included, takes the plain
+forward: cuBLAS' products may round by their row count, so there the no-gradient forwards would
+move bits. `ENABLED = False` switches it off, `WITH_GRAD = False` leaves the forward with
+gradient plain (its test and benchmarks/cell_levers.py).
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ import torch
 from pipeline.core import kernels
 
 ENABLED = True
+WITH_GRAD = True
 
 
 @dataclass
@@ -80,7 +88,7 @@ def prompt_share(prompt_ids: list[list[int]], response_ids: list[list[int]], wid
 def serves(model, batch) -> bool:
     """Does the shared forward serve this batch (see the module docstring)?"""
     from pipeline.models.engines.decode import lean_supported
-    return (ENABLED and batch.share is not None and not torch.is_grad_enabled() and lean_supported(model)
+    return (ENABLED and batch.share is not None and (WITH_GRAD or not torch.is_grad_enabled()) and lean_supported(model)
             and kernels.applies(model.lm_head.weight, batch.mask))
 
 
