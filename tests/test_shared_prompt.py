@@ -134,3 +134,21 @@ def test_the_gradient_is_the_plain_ones_up_to_fp32_rounding(model, bucket_overhe
         assert (p.double() - e).abs().max().item() <= bound, name
         moved += not torch.equal(s, p)
     assert moved > 0                              # the sums did run in another order somewhere
+
+
+def test_the_gradient_is_the_same_at_any_thread_count(model):
+    """The gathers' backward sums in row order whatever the threads (plain indexing's backward
+    adds with atomics in parallel above 32,768 elements): a micro-batch's gradients at 2
+    threads are its gradients at 1, byte for byte."""
+    net, vocab = model
+    batch = make_batch(*rows(vocab, 3, 8, seed=5), 0)
+    assert batch.input_ids.numel() * net.config.hidden_size > 32768
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        _, one = gradients(net, batch)
+        torch.set_num_threads(2)
+        _, two = gradients(net, batch)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))

@@ -26,7 +26,9 @@ log-probs (no gradient) are what they were. The policy's gradient is the same su
 order: a shared prompt token's weight gradient is its m rows' summed first (the gathers'
 backward), then one row of the product's, where the plain forward has m rows. So training
 takes other bits than before this module (kernels.VERSION 3 keys them apart), the same on every
-processor: the gathers' backward is ATen's at the pinned width, the rest ggpo's product.
+processor and at any thread count: the gathers' backward is `index_add_` (`_Gather`: a serial
+sum in row order, elementwise adds), where plain indexing's backward would add in parallel
+with atomics above 32,768 elements and more than one thread; the rest is ggpo's product.
 
 It serves only where that product serves (fp32 CPU tensors, the reproducible mode; `applies`)
 and only transformers' Qwen3 with SDPA full attention (the forward it copies,
@@ -108,9 +110,30 @@ def shared_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     full, rep = share.full_to_unique.to(h.device), share.rep.to(h.device)
     for layer in body.layers[:body.config.num_hidden_layers]:
         attended = _attention(layer.self_attn, layer.input_layernorm(h), cos_sin, mask, full, (batch_rows, width))
-        h = h + layer.self_attn.o_proj(attended.reshape(batch_rows * width, -1)[rep])
+        h = h + layer.self_attn.o_proj(gather(attended.reshape(batch_rows * width, -1), rep))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return body.norm(h)[share.sel_unique.to(h.device)]
+    return gather(body.norm(h), share.sel_unique.to(h.device))
+
+
+class _Gather(torch.autograd.Function):
+    """x [U, ...] -> x[index] [n, ...] whose backward sums the n rows' gradients into U rows by
+    `index_add_` (serial over `index` on the CPU: the same order at any thread count)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.rows = x.shape[0]
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.rows, *grad.shape[1:]))
+        return out.index_add_(0, index, grad.contiguous()), None
+
+
+def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return _Gather.apply(x, index)
 
 
 def _attention(attn, x: torch.Tensor, cos_sin, mask, full: torch.Tensor, rows_width: tuple[int, int]) -> torch.Tensor:
@@ -120,9 +143,9 @@ def _attention(attn, x: torch.Tensor, cos_sin, mask, full: torch.Tensor, rows_wi
     from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
     shape = (x.shape[0], -1, attn.head_dim)
     full_shape = (*rows_width, -1, attn.head_dim)
-    q = attn.q_norm(attn.q_proj(x).view(shape))[full].view(full_shape).transpose(1, 2)
-    k = attn.k_norm(attn.k_proj(x).view(shape))[full].view(full_shape).transpose(1, 2)
-    v = attn.v_proj(x).view(shape)[full].view(full_shape).transpose(1, 2)
+    q = gather(attn.q_norm(attn.q_proj(x).view(shape)), full).view(full_shape).transpose(1, 2)
+    k = gather(attn.k_norm(attn.k_proj(x).view(shape)), full).view(full_shape).transpose(1, 2)
+    v = gather(attn.v_proj(x).view(shape), full).view(full_shape).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, *cos_sin)
     out, _ = sdpa_attention_forward(attn, q, k, v, mask, dropout=0.0 if not attn.training else attn.attention_dropout,
                                     scaling=attn.scaling, sliding_window=attn.sliding_window)
