@@ -84,6 +84,13 @@ def test_it_serves_only_where_it_keeps_the_bits(model, monkeypatch):
     with torch.no_grad():
         assert shared_prompt.serves(net, batch) == kernels.reproducible()
     assert shared_prompt.serves(net, batch) == kernels.reproducible()        # the policy's forward too
+    import copy
+    checkpointed = copy.deepcopy(net)
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed.is_gradient_checkpointing
+    assert not shared_prompt.serves(checkpointed, batch)         # the layers' own calls recompute
+    with torch.no_grad():
+        assert shared_prompt.serves(checkpointed, batch) == kernels.reproducible()
     monkeypatch.setattr(shared_prompt, "WITH_GRAD", False)
     assert not shared_prompt.serves(net, batch)
     with torch.no_grad():

@@ -32,7 +32,9 @@ with atomics above 32,768 elements and more than one thread; the rest is ggpo's 
 
 It serves only where that product serves (fp32 CPU tensors, the reproducible mode; `applies`)
 and only transformers' Qwen3 with SDPA full attention (the forward it copies,
-`decode.lean_supported`). Everything else, a GPU and the native mode included, takes the plain
+`decode.lean_supported`), and not to a forward with gradient under gradient checkpointing
+(`train.gradient_checkpointing`: the layers' own calls recompute, which this forward bypasses).
+Everything else, a GPU and the native mode included, takes the plain
 forward: cuBLAS' products may round by their row count, so there the no-gradient forwards would
 move bits. `ENABLED = False` switches it off, `WITH_GRAD = False` leaves the forward with
 gradient plain (its test and benchmarks/cell_levers.py).
@@ -90,8 +92,12 @@ def prompt_share(prompt_ids: list[list[int]], response_ids: list[list[int]], wid
 def serves(model, batch) -> bool:
     """Does the shared forward serve this batch (see the module docstring)?"""
     from pipeline.models.engines.decode import lean_supported
-    return (ENABLED and batch.share is not None and (WITH_GRAD or not torch.is_grad_enabled()) and lean_supported(model)
-            and kernels.applies(model.lm_head.weight, batch.mask))
+    grad = torch.is_grad_enabled()
+    # with gradient checkpointing the layers' own calls recompute their activations in the
+    # backward; this forward bypasses those calls, so it would hold every activation instead
+    checkpointed = grad and getattr(model, "is_gradient_checkpointing", False)
+    return (ENABLED and batch.share is not None and (WITH_GRAD or not grad) and not checkpointed
+            and lean_supported(model) and kernels.applies(model.lm_head.weight, batch.mask))
 
 
 def shared_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, share: Share) -> torch.Tensor:
