@@ -113,6 +113,23 @@ def reference_batching(cfg, reference, pools, pad_id: int, reps: int) -> dict:
             "groups_with_other_bits": differ, "max_abs_difference": largest}
 
 
+def alternated(pools, reps: int, run) -> tuple[float, list[dict]]:
+    """run(pool, shared) on both sides for every pool and repetition, plain first on even
+    repetitions and shared first on odd ones: the median time ratio shared / plain (3 decimals)
+    and each pair's outputs {False: plain, True: shared}."""
+    ratios, outs = [], []
+    for rep in range(reps):
+        for pool in pools:
+            seconds, out = {}, {}
+            for shared in ((False, True) if rep % 2 == 0 else (True, False)):
+                t0 = time.perf_counter()
+                out[shared] = run(pool, shared)
+                seconds[shared] = time.perf_counter() - t0
+            ratios.append(seconds[True] / seconds[False])
+            outs.append(out)
+    return round(statistics.median(ratios), 3), outs
+
+
 def shared_prompt_forward(cfg, reference, pools, pad_id: int, reps: int) -> dict:
     """Lever 4: time ratio shared / plain of the reference's per-group forwards, and whether
     any log-prob differs in any bit."""
@@ -131,17 +148,9 @@ def shared_prompt_forward(cfg, reference, pools, pad_id: int, reps: int) -> dict
         finally:
             shared_prompt.ENABLED = True
 
-    ratios, same = [], True
-    for rep in range(reps):
-        for pool in pools:
-            seconds, out = {}, {}
-            for shared in ((False, True) if rep % 2 == 0 else (True, False)):
-                t0 = time.perf_counter()
-                out[shared] = per_group(pool, shared)
-                seconds[shared] = time.perf_counter() - t0
-            ratios.append(seconds[True] / seconds[False])
-            same = same and all(torch.equal(a, b) for a, b in zip(out[False], out[True]))
-    return {"shared_over_plain": round(statistics.median(ratios), 3), "same_logprobs": same}
+    ratio, outs = alternated(pools, reps, per_group)
+    same = all(torch.equal(a, b) for out in outs for a, b in zip(out[False], out[True]))
+    return {"shared_over_plain": ratio, "same_logprobs": same}
 
 
 def shared_prompt_backward(cfg, model, pools, pad_id: int, reps: int) -> dict:
@@ -166,20 +175,11 @@ def shared_prompt_backward(cfg, model, pools, pad_id: int, reps: int) -> dict:
         finally:
             shared_prompt.WITH_GRAD = True
 
-    ratios, same, largest = [], True, 0.0
-    for rep in range(reps):
-        for pool in pools:
-            seconds, out = {}, {}
-            for shared in ((False, True) if rep % 2 == 0 else (True, False)):
-                t0 = time.perf_counter()
-                out[shared] = forward_backward(pool, shared)
-                seconds[shared] = time.perf_counter() - t0
-            ratios.append(seconds[True] / seconds[False])
-            same = same and torch.equal(out[False][0], out[True][0])
-            for a, b in zip(out[False][1], out[True][1]):
-                largest = max(largest, ((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item())
-    return {"shared_over_plain": round(statistics.median(ratios), 3), "same_logprobs": same,
-            "max_rel_grad_difference": largest}
+    ratio, outs = alternated(pools, reps, forward_backward)
+    same = all(torch.equal(out[False][0], out[True][0]) for out in outs)
+    largest = max(((a - b).abs().max() / a.abs().max().clamp_min(1e-30)).item()
+                  for out in outs for a, b in zip(out[False][1], out[True][1]))
+    return {"shared_over_plain": ratio, "same_logprobs": same, "max_rel_grad_difference": largest}
 
 
 def draw_sizes(cfg, engine, problems, reps: int) -> dict:

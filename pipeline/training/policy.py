@@ -41,7 +41,6 @@ from pipeline.models import runtime
 from pipeline.training import shared_prompt
 from pipeline.training.lm_head import chunked_logprobs, hidden_for_targets, lm_head_weight
 from pipeline.training.packing import bucket_rows
-from pipeline.training.shared_prompt import Share, prompt_share
 
 
 @dataclass
@@ -56,7 +55,7 @@ class Batch:
     mask: torch.Tensor                   # [B, T] float: 1 on response tokens (incl. EOS)
     cu_seq_lens: torch.Tensor | None = None   # packed: [B + 1] int32 row starts, then the total
     max_length: int | None = None             # packed: the longest row (a host int)
-    share: Share | None = None                # padded rows repeating prompts: their distinct tokens (shared_prompt)
+    share: shared_prompt.Share | None = None  # padded rows repeating prompts: their distinct tokens
 
     @property
     def packed(self) -> bool:
@@ -151,7 +150,9 @@ def _one_batch(prompt_ids: list[list[int]], response_ids: list[list[int]], pad_i
             ids[b, :len(row)] = long(row)
             attn[b, :len(row)] = 1
         positions = None
-    share = None if packed else prompt_share(prompt_ids, response_ids, ids.shape[1])
+    share = None
+    if not packed and shared_prompt.may_serve():
+        share = shared_prompt.prompt_share(prompt_ids, response_ids, ids.shape[1])
     return Batch(ids, attn, positions, long(sel_rows), long(sel_cols), long(targets), long(flat), mask,
                  cu_seq_lens, max_length, share)
 
@@ -179,7 +180,7 @@ def _token_logprobs(model, batch: Batch | Buckets, temperature: float, with_entr
         return _bucketed_logprobs(model, batch, temperature, with_entropy, impl, chunk_tokens)
     if impl == "full":
         return _full_logprobs(model, batch, temperature, with_entropy)
-    if shared_prompt.serves(model, batch):   # no gradient: each repeated prompt once through the token-wise layers
+    if shared_prompt.serves(model, batch):   # each repeated prompt once through the token-wise layers
         assert batch.share is not None and batch.attention_mask is not None
         hidden = shared_prompt.shared_hidden(model, batch.input_ids, batch.attention_mask, batch.share)
     else:

@@ -89,15 +89,31 @@ def prompt_share(prompt_ids: list[list[int]], response_ids: list[list[int]], wid
     return Share(long(unique), long(full), long(rep), long(sel))
 
 
+def may_serve() -> bool:
+    """Can the shared forward serve in this process at all (on, the reproducible mode, no GPU)?
+    make_batch builds a batch's share only then: on a GPU machine its ~40 ms a Qwen-sized
+    micro-batch would be spent for a forward that never runs."""
+    return ENABLED and kernels.reproducible() and not torch.cuda.is_available()
+
+
 def serves(model, batch) -> bool:
     """Does the shared forward serve this batch (see the module docstring)?"""
     from pipeline.models.engines.decode import lean_supported
     grad = torch.is_grad_enabled()
     # with gradient checkpointing the layers' own calls recompute their activations in the
     # backward; this forward bypasses those calls, so it would hold every activation instead
-    checkpointed = grad and getattr(model, "is_gradient_checkpointing", False)
+    checkpointed = grad and _checkpointing(model)
     return (ENABLED and batch.share is not None and (WITH_GRAD or not grad) and not checkpointed
             and lean_supported(model) and kernels.applies(model.lm_head.weight, batch.mask))
+
+
+def _checkpointing(model) -> bool:
+    """transformers' activation checkpointing flag (is_gradient_checkpointing before v5.x renamed
+    it, deprecated since)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 def shared_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, share: Share) -> torch.Tensor:
