@@ -141,6 +141,18 @@ def _step_side_by_side(model, prompts: list[str], tok, steps: int, shrink_at: in
     return steps
 
 
+def test_models_load_without_hub_kernels(base_manifest, monkeypatch):
+    """transformers >= 5.25 kernelizes every model it loads from the hub's kernels when the
+    `kernels` package is installed (its own dependency). ggpo's loads keep the torch modules
+    (the arithmetic numerics.py pins, the forward the lean decode step copies), here with the
+    environment allowing hub kernels explicitly."""
+    from pipeline.models.hf import load_model
+    monkeypatch.setenv("USE_HUB_KERNELS", "YES")
+    model = load_model(model_path(base_manifest))
+    assert not getattr(model, "use_kernels", False)
+    assert not getattr(model, "_kernels_mode", None)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lean_decode_step_equals_transformers_forward_bit_for_bit(base_manifest, dtype):
     """engines/decode.LeanQwen3 copies transformers' Qwen3 forward for decoding: its logits are

@@ -4,6 +4,8 @@ from __future__ import annotations
 import threading
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
@@ -18,6 +20,12 @@ hf_logging.set_verbosity_error()
 # init, default device); two loads in two threads corrupt each other's models (measured:
 # 12 of 12 generations differed). Flows run stages in threads, so loads are serialized.
 _LOAD_LOCK = threading.Lock()
+
+# Hub kernels off: transformers >= 5.25 swaps layers for kernels fetched from the hub by default
+# whenever the `kernels` package is installed (it is one of its dependencies). They are not
+# the arithmetic ggpo pins (numerics.py), they need the hub at load time, and a swapped model
+# is not the one `LeanQwen3` copies. `use_kernels` is a from_pretrained argument since 4.53.
+_NO_HUB_KERNELS = {"use_kernels": False} if Version(transformers.__version__) >= Version("4.53") else {}
 
 
 def load_tokenizer(path: str):
@@ -37,6 +45,6 @@ def load_model(path: str, dtype=torch.float32):
     concurrent cell's weights differ from a sequential run's). The lock cannot cover that:
     training never takes it. The cast gives the same weights and logits as loading in bf16."""
     with _LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **_NO_HUB_KERNELS)
     return numerics.prepare(cast_parameters(model, dtype))      # reproducible fp32 Linear layers on the CPU
 
