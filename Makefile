@@ -68,15 +68,20 @@ lint: $(STAMP)
 	$(BIN)/mypy --cache-dir .mypy_cache pipeline stages flows benchmarks
 
 # VLLM=cpu: .venv-vllm is built (pip: mostly download and unpacking) while the main suite
-# runs, then its tests run; a failed build prints its log and fails the target
+# runs, then its tests run; a failed build prints its log and fails the target.
+# The main suite runs in two pytest-xdist workers, whole files to a worker (each worker has its
+# own session: temp cache, state folder, servers on free ports). Much of the suite waits on
+# servers and subprocesses: on 2 cores it took 1,930 s against ~2,530 s in one process
+# (docs/measurements.md). Two, not one per core: each worker runs its own servers.
+PYTEST_WORKERS := -n 2 --dist loadfile
 test: $(STAMP) lint
 ifeq ($(VLLM),cpu)
 	$(MAKE) --no-print-directory $(VLLM_STAMP) > $(VLLM_VENV).log 2>&1 & build=$$!; \
-	$(BIN)/python -m pytest; status=$$?; \
+	$(BIN)/python -m pytest $(PYTEST_WORKERS); status=$$?; \
 	if ! wait $$build; then cat $(VLLM_VENV).log; exit 1; fi; \
 	$(VLLM_BIN)/python -m pytest -m vllm $(VLLM_TESTS) && exit $$status
 else
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PYTEST_WORKERS)
 	if test -f $(VLLM_STAMP); then $(VLLM_BIN)/python -m pytest -m vllm $(VLLM_TESTS); \
 	else echo "make test: no $(VLLM_VENV) (make install VLLM=cpu): the vllm-marked tests were not run"; fi
 endif
