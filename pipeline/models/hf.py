@@ -4,9 +4,7 @@ from __future__ import annotations
 import threading
 
 import torch
-import transformers
-from packaging.version import Version
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from pipeline.models import numerics
@@ -24,8 +22,10 @@ _LOAD_LOCK = threading.Lock()
 # Hub kernels off: transformers >= 5.25 swaps layers for kernels fetched from the hub by default
 # whenever the `kernels` package is installed (it is one of its dependencies). They are not
 # the arithmetic ggpo pins (numerics.py), they need the hub at load time, and a swapped model
-# is not the one `LeanQwen3` copies. `use_kernels` is a from_pretrained argument since 4.53.
-_NO_HUB_KERNELS = {"use_kernels": False} if Version(transformers.__version__) >= Version("4.53") else {}
+# is not the one `LeanQwen3` copies. Read from the installed release, as the other API checks
+# are: the releases with a `use_kernels` property (4.57 on) take the argument; older ones
+# kernelize nothing unless asked.
+_NO_HUB_KERNELS = {"use_kernels": False} if hasattr(PreTrainedModel, "use_kernels") else {}
 
 
 def load_tokenizer(path: str):
