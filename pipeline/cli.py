@@ -15,6 +15,8 @@
   ggpo cache gc [--yes] [--all] [--unreferenced]  remove interrupted builds and unreachable artifacts
   ggpo --debug ...                        show the traceback of an expected error too
   ggpo report [--preset P] [--set k=v ...]  stage timings and the comparison table, from the cache
+  ggpo report --preset corrections [--save DIR] [--merge DIR ...]  the table into a results folder;
+                                          the table of results folders of distinct seeds
 """
 from __future__ import annotations
 
@@ -105,6 +107,12 @@ def parser() -> argparse.ArgumentParser:
                             "no preset's experiment expects: pools nobody trained on, rounds that led to no policy")
     rep = sub.add_parser("report", help="stage timings and the comparison table of the cached experiment")
     _config_args(rep)
+    rep.add_argument("--save", type=Path, metavar="DIR",
+                     help="corrections flow: write the table (corrections.md/.csv/.png) and its results folder "
+                          "(the four frames it is computed from, Parquet) to DIR")
+    rep.add_argument("--merge", type=Path, nargs="+", metavar="DIR",
+                     help="corrections flow: the table of these results folders (distinct seeds of one "
+                          "experiment: other runs' report folders or --save folders) instead of the cache")
     for command in sub.choices.values():     # `ggpo stage X --debug` works as well as `ggpo --debug stage X`
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return ap
@@ -558,7 +566,10 @@ def cmd_report(args) -> int:
     cfg = load_config(args.preset, flow_overrides(args.overrides))
     flow = cfg.experiment.flow
     if flow == "corrections":
-        return report_corrections(args.preset, cfg)
+        return report_corrections(args.preset, cfg, args.save, args.merge)
+    if args.save or args.merge:
+        raise ConfigError(f"--save and --merge are for the corrections flow; preset {args.preset} runs the "
+                          f"{flow} flow")
     if flow == "online":
         evals, curves, timings = online.from_cache(cfg, Store())
     else:
@@ -581,22 +592,34 @@ def cmd_report(args) -> int:
     return 0
 
 
-def report_corrections(preset: str, cfg) -> int:
+def report_corrections(preset: str, cfg, save: Path | None = None, merge: list[Path] | None = None) -> int:
     """`ggpo report` of a corrections experiment: both parts' timings, then the corrections
-    table (reports/corrections.py) as the flow writes it, from the cache."""
+    table (reports/corrections.py) as the flow writes it, from the cache; or, with `merge`,
+    from results folders of distinct seeds (no timings). `save`: the table and its results
+    folder into that folder as well."""
     import tempfile
 
     from pipeline.reports import corrections
-    on_evals, on_curves, off_evals, off_curves, timings = corrections.from_cache(cfg, Store())
-    print_timings(preset, timings)
-    if not (on_evals.height or off_evals.height):
+    if merge:
+        frames = corrections.load_results(merge)
+        print(f"results folders {', '.join(str(m) for m in merge)}: seeds "
+              f"{sorted(set(frames[0]['seed']) | set(frames[2]['seed']))}\n")
+    else:
+        *cached, timings = corrections.from_cache(cfg, Store())
+        frames = tuple(cached)  # type: ignore[assignment]
+        print_timings(preset, timings)
+    if not (frames[0].height or frames[2].height):
         print(f"nothing evaluated yet for this experiment: run it with `ggpo run corrections --preset {preset}` "
               "(and the same --set options)")
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            table, _, _ = corrections.write(on_evals, on_curves, off_evals, off_curves, Path(tmp),
-                                            f"mean@{cfg.eval.n_samples}")
+            folder = save or Path(tmp)
+            table, paths, _ = corrections.write(*frames, folder, f"mean@{cfg.eval.n_samples}")
+            if save:
+                paths += corrections.save_results(frames, save)
         print(table)
+        if save:
+            print(f"report files: {save} ({', '.join(p.name for p in paths)})")
     print(f"MLflow: {tracking.tracking_uri()} (experiment {tracking.EXPERIMENTS['corrections']})")
     return 0
 

@@ -16,10 +16,12 @@ from typing import Any
 
 import polars as pl
 import pyarrow.parquet as pq
+import pytest
 import torch
 
 from pipeline.core import grid
 from pipeline.core.config import load_config
+from pipeline.core.errors import ConfigError
 from pipeline.core.schemas import ONLINE_METRICS, TRAIN_METRICS, typed_table
 from pipeline.core.store import FileEntry, Manifest
 from pipeline.reports import corrections, mismatch, offline, online
@@ -290,3 +292,84 @@ def test_resolution_line_says_nothing_resolves_with_one_seed():
     text = corrections.resolution_text(two, ["N=1", "offline"])
     assert text.endswith("N=1: ±15.0, " + f"{100 * corrections.resolution(two, 'low', 'high', 'n', 'point')['N=1'][1]:.1f}.")
     assert "offline" not in text
+
+
+def by_seed(frames, seeds) -> tuple[pl.DataFrame, ...]:
+    return tuple(f.filter(pl.col("seed").is_in(list(seeds))) for f in frames)
+
+
+def test_results_folders_of_distinct_seeds_merge_into_the_one_runs_table(tmp_path):
+    """A run's seeds saved apart (seed 42; 1234 and 2027) and merged: the table, its CSV and
+    its figure's inputs are the single run's, byte for byte."""
+    frames = corrections_cache(tmp_path / "cache")
+    whole, _, _ = corrections.write(*frames, tmp_path / "whole", "mean@8")
+    a = corrections.save_results(by_seed(frames, [42]), tmp_path / "a")
+    corrections.save_results(by_seed(frames, [1234, 2027]), tmp_path / "b")
+    assert [p.name for p in a] == [f"{n}.parquet" for n in corrections.FRAMES]
+    merged = corrections.load_results([tmp_path / "a", tmp_path / "b"])
+    text, _, _ = corrections.write(*merged, tmp_path / "merged", "mean@8")
+    assert text == whole and "stalls 1/3" in text
+    assert (tmp_path / "merged" / "corrections.csv").read_bytes() == (tmp_path / "whole" / "corrections.csv").read_bytes()
+    # the other way round: the seeds in that order (a stalled cell lists its seeds so), the
+    # CSV's values within fp64 rounding of the single run's (sums in another order)
+    again, _, other = corrections.write(*corrections.load_results([tmp_path / "b", tmp_path / "a"]),
+                                        tmp_path / "ba", "mean@8")
+    assert "1234: 1.00 (stopped at 4), 2027: 14.00, 42: 13.00" in again
+    one = pl.read_csv(tmp_path / "whole" / "corrections.csv")
+    assert other.columns == one.columns and other.height == one.height
+    for col in ("mean", "std", "diff", "diff_low", "diff_high", "p", "abs_log_ratio", "ess"):
+        for got, want in zip(other[col].to_list(), one[col].to_list()):
+            assert (got is None and want is None) or close(got, want), col
+
+
+def test_merging_refuses_a_seed_twice_a_missing_frame_and_another_experiment(tmp_path):
+    frames = corrections_cache(tmp_path / "cache")
+    corrections.save_results(by_seed(frames, [42, 1234]), tmp_path / "a")
+    corrections.save_results(by_seed(frames, [1234, 2027]), tmp_path / "b")
+    with pytest.raises(ConfigError, match=r"/b: seed 1234 is also in .*/a: merge folders of distinct seeds"):
+        corrections.load_results([tmp_path / "a", tmp_path / "b"])
+    corrections.save_results(by_seed(frames, [2027]), tmp_path / "c")
+    (tmp_path / "c" / "offline_curves.parquet").unlink()
+    with pytest.raises(ConfigError, match=r"/c: no offline_curves.parquet: not a results folder"):
+        corrections.load_results([tmp_path / "a", tmp_path / "c"])
+    narrow = by_seed(frames, [2027])
+    narrow = (narrow[0].filter(pl.col("method") != "icepop"), *narrow[1:])
+    corrections.save_results(narrow, tmp_path / "d")   # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"/d: its methods and settings differ from .*/a's \(first difference: "
+                                          r"icepop at N=1\)"):
+        corrections.load_results([tmp_path / "a", tmp_path / "d"])
+
+
+def test_ggpo_report_saves_and_merges_results_folders(tmp_path, capsys, monkeypatch):
+    """`ggpo report --preset corrections --merge A B --save OUT`, as typed: the merged table,
+    OUT a results folder that merges again; --save on another flow's preset is refused."""
+    from pipeline import cli
+    frames = corrections_cache(tmp_path / "cache")
+    corrections.save_results(by_seed(frames, [42]), tmp_path / "a")
+    corrections.save_results(by_seed(frames, [1234, 2027]), tmp_path / "b")
+    whole, _, _ = corrections.write(*frames, tmp_path / "whole", "mean@8")
+    out_dir = tmp_path / "out"
+    assert cli.main(["report", "--preset", "corrections", "--merge", str(tmp_path / "a"), str(tmp_path / "b"),
+                     "--save", str(out_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "seeds [42, 1234, 2027]" in out and whole in out and f"report files: {out_dir}" in out
+    assert (out_dir / "corrections.csv").read_bytes() == (tmp_path / "whole" / "corrections.csv").read_bytes()
+    assert all((out_dir / f"{n}.parquet").is_file() for n in corrections.FRAMES)
+    assert corrections.write(*corrections.load_results([out_dir]), tmp_path / "again", "mean@8")[0] == whole
+    assert cli.main(["report", "--preset", "smoke", "--save", str(tmp_path / "x")]) == 2
+    assert "--save and --merge are for the corrections flow" in capsys.readouterr().err
+
+
+def test_the_flows_report_folder_is_a_results_folder_logged_to_mlflow(tmp_path):
+    """corrections.log (the flow's report) writes the four frames beside the table and logs
+    them to the parent run's report/ (a real MLflow store); the folder merges as it is."""
+    from pipeline.services import tracking
+    frames = corrections_cache(tmp_path / "cache")
+    client = tracking.Resilient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = client.create_run(client.create_experiment("c", artifact_location=str(tmp_path / "art"))).info.run_id
+    cfg = load_config("corrections", {"experiment.seeds": list(SEEDS)})
+    result = corrections.log(client, parent, *frames, cfg, tmp_path / "report")
+    logged = {a.path for a in client.list_artifacts(parent, "report")}
+    assert {f"report/{n}.parquet" for n in corrections.FRAMES} | {"report/corrections.csv"} <= logged
+    assert corrections.write(*corrections.load_results([tmp_path / "report"]), tmp_path / "m", "mean@8")[0] \
+        == result["table"]

@@ -26,11 +26,20 @@ difference to the reference, diagnostics, each with its spread) and corrections.
 (final accuracy, the paired difference with its interval, and |log rho| against the
 setting) into a folder. `from_cache` reads what the corrections flow (flows/corrections.py)
 built; `ggpo report --preset corrections` prints `write`'s Markdown.
+
+A *results folder* holds the four frames a table is computed from (FRAMES, as Parquet:
+`save_results`); the flow's report folder is one, and `ggpo report --preset corrections
+--save DIR` writes one from the cache. `load_results` joins folders of distinct seeds into
+one table's frames (`ggpo report --preset corrections --merge DIR DIR ...`): seeds run on
+other machines or on other days make one table, and in the reproducible kernel mode a seed's
+cells are the same bits wherever they ran, so the joined table is the one a single run of all
+the seeds writes (tests/test_corrections_report.py).
 """
 from __future__ import annotations
 
 import math
 import statistics
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +47,7 @@ import polars as pl
 
 from pipeline.core import methods as method_table
 from pipeline.core.config import PipelineConfig
+from pipeline.core.errors import ConfigError
 from pipeline.core.store import write_file_atomic, write_text_atomic
 from pipeline.reports import compare, mismatch, offline, online, stats
 
@@ -320,6 +330,61 @@ def write(online_evals: pl.DataFrame, online_curves: pl.DataFrame, offline_evals
     return text, paths, csv
 
 
+# a results folder's files, in the order write() takes them
+FRAMES = ("online_evals", "online_curves", "offline_evals", "offline_curves")
+Frames = tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, pl.DataFrame]
+
+
+def save_results(frames: Frames, folder: Path) -> list[Path]:
+    """The four frames as `folder`/<name>.parquet (each written whole, atomically)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{name}.parquet" for name in FRAMES]
+    for path, frame in zip(paths, frames):
+        write_file_atomic(path, partial(_parquet, frame))
+    return paths
+
+
+def _parquet(frame: pl.DataFrame, path: Path) -> None:
+    frame.write_parquet(path, compression="zstd")
+
+
+def _cells(frames: Frames) -> set[tuple[str, str]]:
+    """The (method, setting) pairs a folder's evaluations cover, offline as OFFLINE."""
+    on, off = frames[0], frames[2]
+    cells = set(on.select("method", online_setting(on)).iter_rows()) if on.height else set()
+    return cells | {(m, OFFLINE) for m in off["method"].unique()} if off.height else cells
+
+
+def load_results(folders: list[Path]) -> Frames:
+    """One table's frames from results folders of distinct seeds, in the folders' order (a
+    run's frames hold its seeds in the config's order: folders named in that order give its
+    table to the byte; another order lists and sums the seeds in that order, the same figures
+    within fp64 rounding); a missing file, a seed in two folders or folders of other methods or
+    settings is a ConfigError naming the folder."""
+    parts: list[list[pl.DataFrame]] = [[] for _ in FRAMES]
+    owner: dict[int, Path] = {}
+    first: set[tuple[str, str]] | None = None
+    for folder in folders:
+        missing = [n for n in FRAMES if not (folder / f"{n}.parquet").is_file()]
+        if missing:
+            raise ConfigError(f"{folder}: no {missing[0]}.parquet: not a results folder (the corrections flow's "
+                              "report folder, or `ggpo report --preset corrections --save DIR`)")
+        frames: Frames = tuple(pl.read_parquet(folder / f"{n}.parquet") for n in FRAMES)  # type: ignore[assignment]
+        for seed in sorted(set(frames[0]["seed"]) | set(frames[2]["seed"])):
+            if seed in owner:
+                raise ConfigError(f"{folder}: seed {seed} is also in {owner[seed]}: merge folders of distinct seeds")
+            owner[seed] = folder
+        cells = _cells(frames)
+        if first is not None and cells != first:
+            other = sorted(cells ^ first)[0]
+            raise ConfigError(f"{folder}: its methods and settings differ from {folders[0]}'s "
+                              f"(first difference: {other[0]} at {other[1]}): one table merges one experiment")
+        first = cells if first is None else first
+        for part, frame in zip(parts, frames):
+            part.append(frame)
+    return tuple(pl.concat(p, how="diagonal_relaxed") for p in parts)  # type: ignore[return-value]
+
+
 def from_cache(cfg: PipelineConfig, store) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, pl.DataFrame,
                                                     list[tuple[str, float | None]]]:
     """(online evals, online curves, offline evals, offline curves, stage timings) of the
@@ -347,12 +412,14 @@ def summary_metrics(csv: pl.DataFrame, metric: str) -> dict[str, Any]:
 
 def log(client, parent: str, online_evals: pl.DataFrame, online_curves: pl.DataFrame, offline_evals: pl.DataFrame,
         offline_curves: pl.DataFrame, cfg: PipelineConfig, folder: Path) -> dict:
-    """The corrections report into `folder` (corrections.*; the online part's full report in
-    online/, the offline part's in offline/) and the MLflow parent run's report/, with
+    """The corrections report into `folder` (corrections.*, the results frames; the online part's
+    full report in online/, the offline part's in offline/) and the MLflow parent run's report/, with
     summary_metrics on that run; {table, summary}."""
     from pipeline.services import tracking
     metric = f"mean@{cfg.eval.n_samples}"
     text, paths, csv = write(online_evals, online_curves, offline_evals, offline_curves, folder, metric)
+    # the report folder is a results folder: its seeds can join another run's (load_results)
+    paths += save_results((online_evals, online_curves, offline_evals, offline_curves), folder)
     logged = [(p, "report") for p in paths]
     if online_evals.height and online_curves.height:
         (folder / "online").mkdir(exist_ok=True)
