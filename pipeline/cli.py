@@ -602,8 +602,7 @@ def report_corrections(preset: str, cfg, save: Path | None = None, merge: list[P
     from pipeline.reports import corrections
     if merge:
         frames = corrections.load_results(merge)
-        print(f"results folders {', '.join(str(m) for m in merge)}: seeds "
-              f"{sorted(set(frames[0]['seed']) | set(frames[2]['seed']))}\n")
+        print(f"results folders {', '.join(str(m) for m in merge)}: seeds {corrections.seeds_of(frames)}\n")
     else:
         *cached, timings = corrections.from_cache(cfg, Store())
         frames = tuple(cached)  # type: ignore[assignment]

@@ -348,11 +348,16 @@ def _parquet(frame: pl.DataFrame, path: Path) -> None:
     frame.write_parquet(path, compression="zstd")
 
 
+def seeds_of(frames: Frames) -> list[int]:
+    """The seeds a table's frames hold (either part's evaluations), sorted."""
+    return sorted(set(frames[0]["seed"]) | set(frames[2]["seed"]))
+
+
 def _cells(frames: Frames) -> set[tuple[str, str]]:
     """The (method, setting) pairs a folder's evaluations cover, offline as OFFLINE."""
     on, off = frames[0], frames[2]
-    cells = set(on.select("method", online_setting(on)).iter_rows()) if on.height else set()
-    return cells | {(m, OFFLINE) for m in off["method"].unique()} if off.height else cells
+    online_cells = set(on.select("method", online_setting(on)).iter_rows()) if on.height else set()
+    return online_cells | ({(m, OFFLINE) for m in off["method"].unique()} if off.height else set())
 
 
 def load_results(folders: list[Path]) -> Frames:
@@ -363,23 +368,23 @@ def load_results(folders: list[Path]) -> Frames:
     settings is a ConfigError naming the folder."""
     parts: list[list[pl.DataFrame]] = [[] for _ in FRAMES]
     owner: dict[int, Path] = {}
-    first: set[tuple[str, str]] | None = None
+    first: set[tuple[str, str]] = set()
     for folder in folders:
         missing = [n for n in FRAMES if not (folder / f"{n}.parquet").is_file()]
         if missing:
             raise ConfigError(f"{folder}: no {missing[0]}.parquet: not a results folder (the corrections flow's "
                               "report folder, or `ggpo report --preset corrections --save DIR`)")
         frames: Frames = tuple(pl.read_parquet(folder / f"{n}.parquet") for n in FRAMES)  # type: ignore[assignment]
-        for seed in sorted(set(frames[0]["seed"]) | set(frames[2]["seed"])):
+        for seed in seeds_of(frames):
             if seed in owner:
                 raise ConfigError(f"{folder}: seed {seed} is also in {owner[seed]}: merge folders of distinct seeds")
             owner[seed] = folder
         cells = _cells(frames)
-        if first is not None and cells != first:
+        first = first or cells
+        if cells != first:
             other = sorted(cells ^ first)[0]
             raise ConfigError(f"{folder}: its methods and settings differ from {folders[0]}'s "
                               f"(first difference: {other[0]} at {other[1]}): one table merges one experiment")
-        first = cells if first is None else first
         for part, frame in zip(parts, frames):
             part.append(frame)
     return tuple(pl.concat(p, how="diagonal_relaxed") for p in parts)  # type: ignore[return-value]
